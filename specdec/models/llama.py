@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat varlen batch and a paged KV cache.
+
+Linear layers are laid out for tensor parallelism: q/k/v and gate/up are column-sharded by rank
+(whole heads, whole intermediate slices), o and down are row-sharded and all-reduced. With one rank
+(the default) the all-reduce is skipped and the shapes are the checkpoint's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.config import ModelConfig
+from specdec.models.rope import Rotary, apply_rotary
+
+if TYPE_CHECKING:
+    from specdec.kv_cache import KVCache
+    from specdec.runner import ForwardBatch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside world size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def split(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) is not divisible by tensor-parallel size {self.size}")
+        return n // self.size
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x @ W_shard^T) + b: the bias is added once, after the reduction."""
+
+    def __init__(self, in_local: int, out: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, in_local))
+        self.bias = nn.Parameter(torch.zeros(out)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
+
+    def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_layer
+        backend.store(k, v, k_cache, v_cache, batch)
+        out = backend.attend(q, k_cache, v_cache, batch, self.scale)         # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.inter = tp.split(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, x, cos, sin, kv_layer, batch, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def forward(self, batch: "ForwardBatch", kv: "KVCache", backend) -> torch.Tensor:
+        """Returns logits [len(batch.logits_indices), vocab] in float32."""
+        x = self.embed_tokens(batch.input_ids)                               # [T, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv.layer(i), batch, backend)
+        x = self.norm(x[batch.logits_indices])                               # [N, hidden]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()

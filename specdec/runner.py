@@ -1,0 +1,136 @@
+"""One forward over a flat varlen batch: several sequences, each with any number of new tokens
+(a prompt chunk, one decode token, or k+1 tokens to verify), written into the paged KV cache."""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.block_manager import BlockManager, OutOfBlocks
+from specdec.config import CacheConfig
+from specdec.kernels.reference import TorchAttention
+from specdec.kv_cache import KVCache
+from specdec.models.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    seq_id: Hashable
+    token_ids: Sequence[int]
+    num_logits: int = 1  # logits for this many trailing new tokens (0: a prompt chunk that is not last)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError(f"sequence {self.seq_id!r}: no new tokens")
+        if not 0 <= self.num_logits <= len(self.token_ids):
+            raise ValueError(f"sequence {self.seq_id!r}: num_logits {self.num_logits} outside "
+                             f"0..{len(self.token_ids)}")
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64, new tokens of all sequences back to back
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64, flat KV slot of each new token
+    query_start_loc: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor     # [B] int32, tokens in cache after this step (new ones included)
+    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
+    logits_indices: torch.Tensor   # [N] int64, rows of T whose logits are returned
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_host)
+
+
+def default_backend(device: torch.device):
+    if device.type == "cuda":
+        from specdec.kernels.triton_attention import TritonAttention
+        return TritonAttention()
+    return TorchAttention()
+
+
+class ModelRunner:
+    """Owns a model, its KV cache and the block bookkeeping of the sequences in it."""
+
+    def __init__(self, model: LlamaModel, cache: CacheConfig, backend=None):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.cache_config = cache
+        self.kv = KVCache(model.config, cache, self.device, model.num_kv_heads_local)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.backend = backend or default_backend(self.device)
+
+    # --- sequence lifetime -------------------------------------------------------------------
+    def add_sequence(self, seq_id: Hashable) -> None:
+        self.blocks.allocate(seq_id)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        self.blocks.truncate(seq_id, num_tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        self.blocks.free(seq_id)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.blocks.num_tokens(seq_id)
+
+    # --- forward -----------------------------------------------------------------------------
+    def prepare(self, items: Sequence[SeqInput]) -> ForwardBatch:
+        """Reserves KV slots for every item's new tokens (all or none) and builds the batch."""
+        self._reserve_check(items)
+        ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        for item in items:
+            start = self.blocks.num_tokens(item.seq_id)
+            n = len(item.token_ids)
+            slots += self.blocks.append(item.seq_id, n)
+            ids += item.token_ids
+            positions += range(start, start + n)
+            logit_rows += range(starts[-1] + n - item.num_logits, starts[-1] + n)
+            starts.append(starts[-1] + n)
+            ctx_lens.append(start + n)
+            tables.append(self.blocks.block_table(item.seq_id))
+        width = max(len(t) for t in tables)
+        table = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+
+        def as_tensor(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=as_tensor(ids, torch.int64), positions=as_tensor(positions, torch.int64),
+            slot_mapping=as_tensor(slots, torch.int64), query_start_loc=as_tensor(starts, torch.int32),
+            context_lens=as_tensor(ctx_lens, torch.int32), block_tables=as_tensor(table, torch.int32),
+            logits_indices=as_tensor(logit_rows, torch.int64),
+            query_lens_host=[len(i.token_ids) for i in items], context_lens_host=ctx_lens)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self.kv, self.backend)
+
+    def step(self, items: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """prepare + forward; returns each item's logits [num_logits, V] (float32)."""
+        logits = self.forward(self.prepare(items))
+        return list(logits.split([i.num_logits for i in items]))
+
+    def _reserve_check(self, items: Sequence[SeqInput]) -> None:
+        seen = set()
+        need = 0
+        for item in items:
+            if item.seq_id in seen:
+                raise ValueError(f"sequence {item.seq_id!r} appears twice in one batch")
+            seen.add(item.seq_id)
+            if item.seq_id not in self.blocks:
+                raise KeyError(f"unknown sequence {item.seq_id!r}")
+            have = self.blocks.num_tokens(item.seq_id)
+            need += (self.blocks.blocks_needed(have + len(item.token_ids))
+                     - len(self.blocks.block_table(item.seq_id)))
+        if need > self.blocks.num_free:
+            raise OutOfBlocks(f"batch needs {need} more KV blocks, {self.blocks.num_free} free "
+                              f"of {self.blocks.num_blocks}")
