@@ -11,22 +11,21 @@ def test_committed_stubs_match_the_proto():
     assert result.returncode == 0, result.stderr
 
 
+def _is_field(line: str) -> bool:
+    s = line.strip()
+    return s.endswith(";") and "=" in s and not s.startswith(("syntax", "package", "option", "//"))
+
+
 def test_every_proto_field_and_enum_value_is_commented():
+    # A field (or enum value) needs a comment above it; a run of consecutive fields may share one.
     lines = (ROOT / "protos" / "specdec.proto").read_text().splitlines()
     undocumented = []
     for i, line in enumerate(lines):
-        s = line.strip()
-        is_field = s.endswith(";") and "=" in s and not s.startswith(("syntax", "package", "option", "//"))
-        if is_field and not lines[i - 1].strip().startswith("//") and not lines[i - 1].strip().endswith(";"):
-            undocumented.append(s)
-        # consecutive fields sharing one comment are allowed only right after a comment line
-        if is_field and lines[i - 1].strip().endswith(";") and not _comment_above(lines, i):
-            undocumented.append(s)
+        if not _is_field(line):
+            continue
+        j = i - 1
+        while j >= 0 and _is_field(lines[j]):
+            j -= 1
+        if not lines[j].strip().startswith("//"):
+            undocumented.append(line.strip())
     assert not undocumented, undocumented
-
-
-def _comment_above(lines, i):
-    j = i - 1
-    while j >= 0 and lines[j].strip().endswith(";"):
-        j -= 1
-    return lines[j].strip().startswith("//")
