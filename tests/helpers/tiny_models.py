@@ -64,6 +64,8 @@ def make_checkpoint(path: Path, arch: str = "llama", *, vocab_size: int = 320, h
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
+            elif name.endswith(".bias"):  # HF zero-inits biases; random ones test that they load
+                p.normal_(0.0, 0.1)
     path = Path(path)
     model.save_pretrained(path)
     if with_tokenizer:
