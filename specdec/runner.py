@@ -67,6 +67,13 @@ class ModelRunner:
         self.kv = KVCache(model.config, cache, self.device, model.num_kv_heads_local)
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
         self.backend = backend or default_backend(self.device)
+        self.graphs = None
+
+    def enable_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,),
+                           batch_sizes: tuple[int, ...] | None = None) -> None:
+        """Capture decode/verify graphs; forward() replays one whenever a batch fits a bucket."""
+        from specdec.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
+        self.graphs = GraphedForward(self, max_model_len, query_lens, batch_sizes or DEFAULT_BATCH_SIZES)
 
     # --- sequence lifetime -------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable) -> None:
@@ -112,6 +119,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None:
+            logits = self.graphs.forward(batch)
+            if logits is not None:
+                return logits.clone()  # the graph's output buffer is overwritten by the next replay
         return self.model(batch, self.kv, self.backend)
 
     def step(self, items: Sequence[SeqInput]) -> list[torch.Tensor]:

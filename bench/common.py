@@ -1,0 +1,85 @@
+"""What every benchmark shares: environment record, measured copy bandwidth, model shapes, JSON output."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # scripts: make `specdec` importable from any working directory
+
+import torch  # noqa: E402
+
+from specdec.config import ModelConfig  # noqa: E402
+
+# Shapes of public checkpoints (random weights: c and tokens/s depend on shapes, not values).
+SHAPES = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000),
+    "llama-68m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
+                      num_key_value_heads=12, vocab_size=32000),
+    "llama-160m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=12, vocab_size=32000),
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def hf_config(shape: str, max_position: int = 4096) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+            "max_position_embeddings": max_position, "rope_theta": 10000.0, "tie_word_embeddings": False,
+            **SHAPES[shape]}
+
+
+def model_config(shape: str, max_position: int = 4096) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config(shape, max_position))
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "host": platform.node()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(device=p.name, sms=p.multi_processor_count, gpus=torch.cuda.device_count(),
+                   memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    else:
+        env["device"] = "cpu: " + platform.processor()
+    return env
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Bytes/s of a large device-to-device copy, read + write counted: the HBM ceiling we use."""
+    from triton.testing import do_bench
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def write_result(name: str, result: dict) -> Path:
+    """bench/results/<name>.json, and a copy under $OUT when the device tool set it."""
+    text = json.dumps(result, indent=1, default=str)
+    path = ROOT / "bench" / "results" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{name}.json").write_text(text)
+    return path
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec)."""
+    head = " | ".join(h for _, h, _ in columns)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(" | ".join(format(r.get(k), f) if r.get(k) is not None else "-" for k, _, f in columns))
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""The cost coefficient c = t_draft(b, 1 token) / t_target(b, 1 token) (Leviathan et al. 2023, Def. 3.7)
+for three public draft shapes against the Llama-7B shape, as our runner measures it (the graphed
+single-token forward a server times), beside the weight-bytes ratio and transformers eager.
+
+    python3 bench/cost_coefficient.py [--batches 1 8 32]
+
+Writes bench/results/cost_coefficient.json.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import environment, hf_config, model_config, table, write_result
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from specdec.config import CacheConfig  # noqa: E402
+from specdec.models.loader import build_model, init_random  # noqa: E402
+from specdec.runner import ModelRunner, SeqInput  # noqa: E402
+
+TARGET = "llama-7b"
+DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
+CONTEXT = 128
+BLOCK = 16
+
+
+def ours_forward_ms(shape: str, batches: list[int]) -> tuple[dict[int, float], int]:
+    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks_per_seq = -(-(CONTEXT + 8) // BLOCK)
+    times = {}
+    for b in batches:
+        runner = ModelRunner(model, CacheConfig(b * blocks_per_seq + 1, BLOCK, torch.bfloat16))
+        runner.enable_cuda_graphs(max_model_len=CONTEXT + 64, query_lens=(1,), batch_sizes=(b,))
+        for s in range(b):
+            runner.add_sequence(s)
+        runner.step([SeqInput(s, list(range(1, CONTEXT))) for s in range(b)])
+        batch = runner.prepare([SeqInput(s, [7]) for s in range(b)])
+        # What a server times per decode step: copy into the graph's buffers + replay.
+        times[b] = do_bench(lambda: runner.forward(batch), warmup=10, rep=100, return_mode="median")
+        del runner
+    del model
+    torch.cuda.empty_cache()
+    return times, weight_bytes
+
+
+def hf_forward_ms(shape: str, batches: list[int]) -> dict[int, float]:
+    import transformers
+    cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config(shape).items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    times = {}
+    with torch.no_grad():
+        for b in batches:
+            ids = torch.randint(0, 32000, (b, CONTEXT), device="cuda")
+            cache = transformers.DynamicCache()
+            model(ids, past_key_values=cache, use_cache=True)
+            step = ids[:, -1:]
+            samples = []
+            for i in range(30):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(step, past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+                samples.append(time.perf_counter() - t0)
+                cache.crop(CONTEXT)
+            times[b] = 1e3 * sorted(samples[5:])[len(samples[5:]) // 2]
+    del model
+    torch.cuda.empty_cache()
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    env = environment()
+    ours, sizes, hf = {}, {}, {}
+    for shape in (TARGET, *DRAFTS):
+        ours[shape], sizes[shape] = ours_forward_ms(shape, args.batches)
+        print(f"ours {shape}: {ours[shape]}", flush=True)
+        if not args.no_hf:
+            try:
+                hf[shape] = hf_forward_ms(shape, args.batches)
+            except Exception as exc:
+                hf[shape] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"transformers eager {shape}: {hf[shape]}", flush=True)
+    rows = []
+    for shape in DRAFTS:
+        for b in args.batches:
+            r = {"draft": shape, "batch": b, "draft_ms": ours[shape][b], "target_ms": ours[TARGET][b],
+                 "c": ours[shape][b] / ours[TARGET][b], "weight_ratio": sizes[shape] / sizes[TARGET]}
+            if b in hf.get(shape, {}) and b in hf.get(TARGET, {}):
+                r["hf_draft_ms"], r["hf_target_ms"] = hf[shape][b], hf[TARGET][b]
+                r["hf_c"] = hf[shape][b] / hf[TARGET][b]
+            rows.append(r)
+    result = {"benchmark": "cost_coefficient", "target": TARGET, "context": CONTEXT, "environment": env,
+              "weight_bytes": sizes, "rows": rows, "transformers_eager_ms": hf}
+    path = write_result("cost_coefficient", result)
+    print()
+    print(table(rows, [("draft", "draft", "s"), ("batch", "batch", "d"), ("draft_ms", "draft ms", ".3f"),
+                       ("target_ms", "target ms", ".3f"), ("c", "c (ours)", ".3f"),
+                       ("weight_ratio", "weight ratio", ".3f"), ("hf_c", "c (HF eager)", ".2f")]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

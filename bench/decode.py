@@ -1,0 +1,124 @@
+"""Target-only decode on the GPU: our runner (CUDA graphs) against the HBM floor and transformers.
+
+    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128]
+
+For each batch size: the device time of one graphed decode forward (graph replay), the tokens/s of
+a full greedy loop through ModelRunner.step (host prepare + replay + argmax + one copy to the host per
+step), the floor (weight bytes / copy bandwidth measured in this run) and transformers' generate on
+the same weights with a static cache and with its default dynamic cache (both eager).
+Writes bench/results/decode.json.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import copy_bandwidth, environment, hf_config, model_config, table, write_result
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from specdec.config import CacheConfig  # noqa: E402
+from specdec.models.loader import build_model, init_random  # noqa: E402
+from specdec.runner import ModelRunner, SeqInput  # noqa: E402
+
+PROMPT = 128
+BLOCK = 16
+
+
+def ours(model, batch: int, steps: int, max_len: int) -> dict:
+    blocks_per_seq = -(-(PROMPT + steps + 8) // BLOCK)
+    runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, BLOCK, torch.bfloat16))
+    runner.enable_cuda_graphs(max_model_len=max_len, query_lens=(1,), batch_sizes=(batch,))
+    gen = torch.Generator().manual_seed(batch)
+    seqs = list(range(batch))
+    for s in seqs:
+        runner.add_sequence(s)
+    logits = runner.step([SeqInput(s, torch.randint(0, 32000, (PROMPT,), generator=gen).tolist())
+                          for s in seqs])
+    tokens = [int(l[-1].argmax()) for l in logits]
+    # Pure device time of a replay at this context (graph launches only).
+    graph = runner.graphs.graphs[(batch, 1)].graph
+    replay_ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    # The whole loop a server runs per token.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = runner.step([SeqInput(s, [t]) for s, t in zip(seqs, tokens)])
+        tokens = torch.stack([o[-1] for o in out]).argmax(-1).tolist()
+    torch.cuda.synchronize()
+    loop_s = time.perf_counter() - t0
+    del runner
+    torch.cuda.empty_cache()
+    return {"replay_ms": replay_ms, "step_ms": 1e3 * loop_s / steps, "tok_s": batch * steps / loop_s}
+
+
+def transformers_generate(shape: str, batch: int, new_tokens: int, cache: str | None) -> float:
+    import transformers
+    cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config(shape).items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 32000, (batch, PROMPT), device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if cache:
+        kwargs["cache_implementation"] = cache
+    with torch.no_grad():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return batch * new_tokens / elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-7b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--hf-tokens", type=int, default=32, help="tokens per transformers generate run")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    env = environment()
+    bw = copy_bandwidth()
+    cfg = model_config(args.shape)
+    model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_ms = 1e3 * weight_bytes / bw
+    rows = []
+    for b in args.batches:
+        r = {"batch": b, **ours(model, b, args.steps, max_len=PROMPT + args.steps + 64)}
+        r["floor_ms"] = floor_ms
+        r["frac_of_floor"] = floor_ms / r["step_ms"]
+        r["replay_frac_of_floor"] = floor_ms / r["replay_ms"]
+        rows.append(r)
+        print(f"ours batch {b}: {r}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    if not args.no_hf:
+        for r in rows:
+            for name, cache in (("hf_static_tok_s", "static"), ("hf_eager_tok_s", None)):
+                try:
+                    r[name] = transformers_generate(args.shape, r["batch"], args.hf_tokens, cache)
+                except Exception as exc:  # reported, not fatal: the comparison column says why
+                    r[name] = None
+                    r[name + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(f"{name} batch {r['batch']}: {r[name]}", flush=True)
+            r["speedup_vs_hf_static"] = r["tok_s"] / r["hf_static_tok_s"] if r.get("hf_static_tok_s") else None
+    result = {"benchmark": "decode", "shape": args.shape, "environment": env, "copy_bandwidth_GBs": bw / 1e9,
+              "weight_bytes": weight_bytes, "prompt_len": PROMPT, "steps": args.steps, "rows": rows}
+    path = write_result("decode", result)
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step")
+    print(table(rows, [("batch", "batch", "d"), ("replay_ms", "replay ms", ".2f"), ("step_ms", "step ms", ".2f"),
+                       ("floor_ms", "floor ms", ".2f"), ("frac_of_floor", "frac floor", ".2f"),
+                       ("tok_s", "tok/s", ".0f"), ("hf_static_tok_s", "HF static tok/s", ".0f"),
+                       ("hf_eager_tok_s", "HF eager tok/s", ".0f"), ("speedup_vs_hf_static", "x HF static", ".1f")]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
