@@ -1,0 +1,291 @@
+"""The speculative-decoding cost model: batch buckets, per-bucket forward-time profiles, Ŝ.
+
+Pure Python (no torch, no prometheus_client): the servers feed it device times they measured, the
+coordinator feeds it wall times it observed, and specdec/metrics.py exports what it computes.
+Definitions follow DESIGN.md section 3 and Leviathan et al. 2023 (Def. 3.7, Thm. 3.8).
+"""
+from __future__ import annotations
+
+import bisect
+import statistics
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+# Batch sizes are padded up to one of these (the CUDA-graph buckets), so forward time is a
+# function of the bucket, not of the exact batch size.
+DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Weight of a new live sample in the exponential moving averages below: ~10 steps of memory, so a
+# profile follows a change of load within a second of decoding but one slow step moves it by 10%.
+DEFAULT_EMA_WEIGHT = 0.1
+
+
+def bucket_for(batch_size: int, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> int:
+    """The smallest bucket >= batch_size; the largest bucket for anything bigger."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    i = bisect.bisect_left(buckets, batch_size)
+    return buckets[min(i, len(buckets) - 1)]
+
+
+def ema(previous: float | None, sample: float, weight: float) -> float:
+    """Exponential moving average; the first sample is taken as is."""
+    return sample if previous is None else (1.0 - weight) * previous + weight * sample
+
+
+def expected_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Leviathan et al. Thm. 3.8: Ŝ = (1 - α^(γ+1)) / ((1 - α)(γc + 1)).
+
+    Expected tokens per step (1 - α^(γ+1)) / (1 - α) over the cost of a step in target-forward
+    units (γ draft forwards at c each, one verify forward assumed to cost one decode forward).
+    At α = 1 the first factor is its limit γ + 1. γ may be a mean over steps (fractional).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0 or c < 0:
+        raise ValueError(f"gamma and c must be non-negative, got {gamma}, {c}")
+    tokens = gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
+    return tokens / (gamma * c + 1.0)
+
+
+def alpha_estimate(accepted: float, rejections: float) -> float | None:
+    """Per-token acceptance probability α from accepted tokens and rejection events.
+
+    Each tested draft token is either accepted or is the one rejection that ends its step; tokens
+    after a rejection are never tested. So α = accepted / (accepted + rejections) is the maximum
+    likelihood estimate under Leviathan's i.i.d. model. The plain ratio accepted / drafted counts
+    the untested tokens as failures and is biased low: at α = 0.8, γ = 4 it reads 0.59, and
+    Ŝ computed from it would be 2.26 instead of 3.36.
+    """
+    tested = accepted + rejections
+    return accepted / tested if tested > 0 else None
+
+
+class CostProfile:
+    """Seconds of one model forward per (batch bucket, query length), on one server.
+
+    Query length 1 is a decode step (what c is defined on); γ+1 is a verify step. Warm-up sets a
+    bucket from the median of timed forwards; live steps then move it by an EMA so the table
+    follows the real load (clock boosts, contention with the other model on a shared GPU).
+    Thread-safe: the GPU thread writes, the metrics and RPC threads read.
+    """
+
+    def __init__(self, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+                 ema_weight: float = DEFAULT_EMA_WEIGHT,
+                 on_update: Callable[[int, int, float], None] | None = None) -> None:
+        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
+            raise ValueError(f"buckets must be increasing positive ints, got {buckets}")
+        if not 0.0 < ema_weight <= 1.0:
+            raise ValueError(f"ema_weight must be in (0, 1], got {ema_weight}")
+        self.buckets = tuple(buckets)
+        self.ema_weight = ema_weight
+        self._on_update = on_update
+        self._table: dict[tuple[int, int], float] = {}
+        self._lock = threading.Lock()
+
+    def set_profiled(self, batch_size: int, query_len: int, samples: Iterable[float]) -> float:
+        """Warm-up: the median of timed forwards replaces the entry (robust to one slow launch)."""
+        values = [float(s) for s in samples]
+        if not values or min(values) < 0:
+            raise ValueError("samples must be a non-empty list of non-negative seconds")
+        return self._store(batch_size, query_len, statistics.median(values), replace=True)
+
+    def update(self, batch_size: int, query_len: int, seconds: float) -> float:
+        """A live forward: EMA into the entry (the first sample initialises it)."""
+        if seconds < 0:
+            raise ValueError(f"seconds must be non-negative, got {seconds}")
+        return self._store(batch_size, query_len, float(seconds), replace=False)
+
+    def _store(self, batch_size: int, query_len: int, seconds: float, replace: bool) -> float:
+        if query_len < 1:
+            raise ValueError(f"query_len must be positive, got {query_len}")
+        key = (bucket_for(batch_size, self.buckets), query_len)
+        with self._lock:
+            value = seconds if replace else ema(self._table.get(key), seconds, self.ema_weight)
+            self._table[key] = value
+        if self._on_update is not None:
+            self._on_update(key[0], query_len, value)
+        return value
+
+    def get(self, batch_size: int, query_len: int = 1) -> float | None:
+        """Seconds at batch_size's bucket, or None when that bucket was never timed."""
+        with self._lock:
+            return self._table.get((bucket_for(batch_size, self.buckets), query_len))
+
+    def table(self) -> dict[tuple[int, int], float]:
+        """A copy of all entries, keyed by (bucket, query_len)."""
+        with self._lock:
+            return dict(self._table)
+
+    def profile(self, forward_seconds: Callable[[int, int], float],
+                query_lens: Sequence[int] = (1,), repeats: int = 5, warmup: int = 2,
+                max_batch: int | None = None) -> dict[tuple[int, int], float]:
+        """Warm-up profile: times forward_seconds(bucket, query_len) for every bucket up to max_batch.
+
+        forward_seconds runs one forward at that shape and returns its device time (the server
+        synchronises or uses CUDA events); the first `warmup` calls per shape are discarded
+        (compilation, graph capture, allocator growth).
+        """
+        for bucket in self.buckets:
+            if max_batch is not None and bucket > max_batch:
+                break
+            for q in query_lens:
+                for _ in range(warmup):
+                    forward_seconds(bucket, q)
+                self.set_profiled(bucket, q, [forward_seconds(bucket, q) for _ in range(repeats)])
+        return self.table()
+
+
+@dataclass(frozen=True)
+class ServerTiming:
+    """A server's timing of one step, as StepTiming in the proto (a pb StepTiming works in its place).
+
+    forward_seconds: device time of the step's forwards; decode_forward_seconds: the server's
+    profile entry for a single-token forward at its batch bucket (0 when unknown).
+    """
+    forward_seconds: float
+    decode_forward_seconds: float
+    batch_size: int = 0
+    step_seconds: float = 0.0
+    num_forwards: int = 1
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Acceptance and speedup over the last `window_steps` batched steps; None where undefined."""
+    acceptance_ratio: float | None  # Σaccepted / Σdrafted
+    alpha: float | None  # Σaccepted / (Σaccepted + Σrejections), see alpha_estimate
+    mean_accepted_length: float | None  # τ = 1 + Σaccepted / Σspeculative sequence-steps
+    mean_draft_length: float | None  # γ̄ = Σdrafted / Σspeculative sequence-steps
+    c: float | None  # mean over window steps of c at each step's bucket
+    c_system: float | None  # the same for c_system
+    expected_speedup: float | None  # Ŝ(α, γ̄, c)
+    expected_speedup_system: float | None  # Ŝ(α, γ̄, c_system)
+    measured_speedup: float | None  # Σ plain-equivalent seconds / Σ step seconds
+
+
+@dataclass(frozen=True)
+class _StepRecord:
+    drafted: int
+    accepted: int
+    rejections: int
+    spec_steps: int
+    c: float | None
+    c_system: float | None
+    seconds: float | None
+    plain_equivalent: float | None
+
+
+class SpecStats:
+    """The coordinator's view of cost and acceptance, per batch bucket and over a window of steps.
+
+    Per bucket b (EMAs with weight ema_weight, over steps without prefill):
+      c[b]          = draft.decode_forward_seconds / target.decode_forward_seconds, the servers'
+                      own profile values reported with the step (both at bucket b).
+      draft_tok[b]  = propose stage wall time / max γ of the step (the draft runs γ_max forwards).
+      plain[b]      = wall time of plain steps (all γ = 0) when any were seen; otherwise estimated
+                      from speculative steps as step - propose - (target forward - target decode
+                      forward): the same RPC and coordinator overhead without the draft and without
+                      the extra verify positions.
+      c_system[b]   = draft_tok[b] / plain[b].
+      verify_ratio[b] = target.forward_seconds / target.decode_forward_seconds of speculative steps.
+    The window (last window_steps batched steps, prefill included for acceptance counts) gives
+    WindowStats. Measured speedup counts only speculative steps without prefill whose bucket had
+    a plain time: each step's plain equivalent is (emitted / sequences) × plain[b], the time plain
+    decoding needs to emit as many tokens per sequence in a batch of the same bucket.
+    """
+
+    def __init__(self, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, window_steps: int = 256,
+                 ema_weight: float = DEFAULT_EMA_WEIGHT) -> None:
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be positive, got {window_steps}")
+        self.buckets = tuple(buckets)
+        self.ema_weight = ema_weight
+        self._window: deque[_StepRecord] = deque(maxlen=window_steps)
+        self.c: dict[int, float] = {}
+        self.verify_ratio: dict[int, float] = {}
+        self._draft_token: dict[int, float] = {}
+        self._plain_observed: dict[int, float] = {}
+        self._plain_estimated: dict[int, float] = {}
+
+    def plain_step_seconds(self, bucket: int) -> float | None:
+        return self._plain_observed.get(bucket, self._plain_estimated.get(bucket))
+
+    def c_system(self, bucket: int) -> float | None:
+        plain, per_token = self.plain_step_seconds(bucket), self._draft_token.get(bucket)
+        return per_token / plain if plain and per_token is not None else None
+
+    def buckets_seen(self) -> list[int]:
+        return sorted(set(self.c) | set(self._draft_token) | set(self._plain_observed)
+                      | set(self._plain_estimated) | set(self.verify_ratio))
+
+    def add_step(self, drafted: Sequence[int], accepted: Sequence[int], emitted: Sequence[int],
+                 step_seconds: float, propose_seconds: float = 0.0, has_prefill: bool = False,
+                 draft_timing: ServerTiming | None = None,
+                 target_timing: ServerTiming | None = None) -> int:
+        """Records one batched step (per-sequence lists, same order); returns its bucket."""
+        n = len(drafted)
+        if n == 0 or len(accepted) != n or len(emitted) != n:
+            raise ValueError("drafted, accepted and emitted need one entry per sequence (>= 1)")
+        if any(a < 0 or a > d for a, d in zip(accepted, drafted)):
+            raise ValueError("need 0 <= accepted <= drafted for every sequence")
+        b, w = bucket_for(n, self.buckets), self.ema_weight
+        any_spec = max(drafted) > 0
+        tgt_dec = target_timing.decode_forward_seconds if target_timing is not None else 0.0
+        if draft_timing is not None and tgt_dec > 0 and draft_timing.decode_forward_seconds > 0:
+            tb = bucket_for(target_timing.batch_size or n, self.buckets)
+            if bucket_for(draft_timing.batch_size or n, self.buckets) == tb:
+                self.c[tb] = draft_timing.decode_forward_seconds / tgt_dec
+        if not has_prefill:
+            if not any_spec:
+                self._plain_observed[b] = ema(self._plain_observed.get(b), step_seconds, w)
+            else:
+                if propose_seconds > 0:
+                    per_token = propose_seconds / max(drafted)
+                    self._draft_token[b] = ema(self._draft_token.get(b), per_token, w)
+                if tgt_dec > 0 and target_timing.forward_seconds > 0:
+                    extra = target_timing.forward_seconds - tgt_dec
+                    ratio = target_timing.forward_seconds / tgt_dec
+                    self.verify_ratio[b] = ema(self.verify_ratio.get(b), ratio, w)
+                    estimate = step_seconds - propose_seconds - extra
+                    if estimate > 0:
+                        self._plain_estimated[b] = ema(self._plain_estimated.get(b), estimate, w)
+        plain = self.plain_step_seconds(b)
+        timed = any_spec and not has_prefill and plain is not None and step_seconds > 0
+        self._window.append(_StepRecord(
+            drafted=sum(drafted), accepted=sum(accepted),
+            rejections=sum(1 for a, d in zip(accepted, drafted) if a < d),
+            spec_steps=sum(1 for d in drafted if d > 0), c=self.c.get(b), c_system=self.c_system(b),
+            seconds=step_seconds if timed else None,
+            plain_equivalent=sum(emitted) / n * plain if timed else None))
+        return b
+
+    def window(self) -> WindowStats:
+        recs = list(self._window)
+        drafted = sum(r.drafted for r in recs)
+        accepted = sum(r.accepted for r in recs)
+        spec_steps = sum(r.spec_steps for r in recs)
+        alpha = alpha_estimate(accepted, sum(r.rejections for r in recs))
+        gamma = drafted / spec_steps if spec_steps else None
+        c = _mean(r.c for r in recs)
+        c_sys = _mean(r.c_system for r in recs)
+        timed = [r for r in recs if r.seconds is not None]
+        seconds = sum(r.seconds for r in timed)
+
+        def s_hat(cost: float | None) -> float | None:
+            if alpha is None or gamma is None or cost is None:
+                return None
+            return expected_speedup(alpha, gamma, cost)
+
+        return WindowStats(
+            acceptance_ratio=accepted / drafted if drafted else None, alpha=alpha,
+            mean_accepted_length=1.0 + accepted / spec_steps if spec_steps else None,
+            mean_draft_length=gamma, c=c, c_system=c_sys,
+            expected_speedup=s_hat(c), expected_speedup_system=s_hat(c_sys),
+            measured_speedup=sum(r.plain_equivalent for r in timed) / seconds if seconds > 0 else None)
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None

@@ -1,0 +1,330 @@
+"""Prometheus metrics of the three processes: names, and the recorders each process calls.
+
+Every metric lives on a CollectorRegistry that the process creates in its __main__ and passes in,
+so tests can run several "processes" in one interpreter. Names follow Prometheus conventions:
+prefix `specdec_`, base units in the name (`_seconds`), `_total` on counters. `role` is
+draft | target | coordinator on metrics that more than one process exports; Prometheus' own
+job/instance labels say which replica. Definitions of c, c_system, α, τ and Ŝ: DESIGN.md section 3,
+specdec/cost_model.py, and CoordinatorMetrics below. Only prometheus_client and the standard
+library are imported here: the coordinator imports no torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from specdec.cost_model import (DEFAULT_BATCH_BUCKETS, DEFAULT_EMA_WEIGHT, CostProfile, ServerTiming,
+                                SpecStats, WindowStats, bucket_for)
+
+ROLES = ("draft", "target", "coordinator")
+# prefill: prompt (chunk) forwards; decode: one token per sequence (draft steps, plain target
+# steps; what c is defined on); verify: the target's forward over new tokens + γ drafts.
+PHASES = ("prefill", "decode", "verify")
+STAGES = ("schedule", "propose", "verify", "emit")
+RPCS = ("Propose", "Verify", "Release", "Info", "Generate")
+# gRPC status names created at zero up front, so rate() and error-ratio queries have series to
+# work on before the first failure (Prometheus advice: avoid missing metrics).
+STATUS_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
+
+# Seconds, log-spaced: a tiny CPU model's forward is ~100 µs, a 70B prefill chunk ~1 s.
+FORWARD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # counter | gauge | histogram
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+def _c(name, help, *labels):
+    return MetricSpec(name, "counter", help, labels)
+
+
+def _g(name, help, *labels):
+    return MetricSpec(name, "gauge", help, labels)
+
+
+def _h(name, help, buckets, *labels):
+    return MetricSpec(name, "histogram", help, labels, buckets)
+
+
+PROCESS_METRICS = (  # every process
+    _h("specdec_rpc_seconds", "RPC time: round trip on the coordinator, handling time on servers",
+       FORWARD_BUCKETS, "role", "rpc"),
+    _g("specdec_running_sequences", "Sequences in flight (coordinator) or holding KV (servers)", "role"),
+    _c("specdec_errors_total", "Failed RPCs and per-sequence errors, by gRPC status", "role", "code"),
+)
+SERVER_METRICS = PROCESS_METRICS + (
+    _h("specdec_forward_seconds", "Device time of one model forward", FORWARD_BUCKETS, "role", "phase"),
+    _g("specdec_forward_profile_seconds",
+       "Forward time per batch bucket and query length: warm-up median, then EMA of live steps",
+       "role", "batch", "query_len"),
+    _g("specdec_kv_blocks_used", "Paged KV cache blocks in use", "role"),
+    _g("specdec_kv_blocks_free", "Paged KV cache blocks free", "role"),
+)
+COORDINATOR_METRICS = PROCESS_METRICS + (
+    _c("specdec_draft_tokens_total", "Draft tokens proposed and sent for verification"),
+    _c("specdec_accepted_tokens_total", "Draft tokens the target accepted"),
+    _c("specdec_emitted_tokens_total", "Tokens emitted to clients (accepted drafts + target tokens)"),
+    _c("specdec_spec_steps_total", "Sequence-steps that verified at least one draft token"),
+    _c("specdec_plain_steps_total", "Sequence-steps of plain decoding (no draft tokens)"),
+    _c("specdec_rejections_total", "Sequence-steps that ended with a rejected draft token"),
+    _c("specdec_draft_tokens_by_position_total", "Draft tokens proposed at each position (1-based)",
+       "position"),
+    _c("specdec_accepted_tokens_by_position_total", "Draft tokens accepted at each position (1-based)",
+       "position"),
+    _c("specdec_requests_total", "Finished Generate requests by gRPC status", "code"),
+    _h("specdec_stage_seconds", "Wall time of one coordinator stage per step", FORWARD_BUCKETS, "stage"),
+    _h("specdec_step_seconds", "Wall time of one batched step", FORWARD_BUCKETS, "mode"),
+    _h("specdec_request_duration_seconds", "Generate request latency, arrival to last token",
+       REQUEST_BUCKETS),
+    _h("specdec_time_to_first_token_seconds", "Arrival to first emitted token", REQUEST_BUCKETS),
+    _h("specdec_time_per_output_token_seconds", "(latency - TTFT) / (output tokens - 1)",
+       FORWARD_BUCKETS),
+    _g("specdec_cost_coefficient", "c: draft / target single-token forward device time", "batch"),
+    _g("specdec_system_cost_coefficient",
+       "c_system: coordinator wall time per drafted token / wall time of a plain step", "batch"),
+    _g("specdec_verify_cost_ratio", "Target forward time at γ+1 tokens / at 1 token", "batch"),
+    _g("specdec_plain_step_seconds", "Wall time of a plain (γ=0) step: observed, else estimated",
+       "batch"),
+    _g("specdec_acceptance_ratio", "Accepted / drafted tokens over the window"),
+    _g("specdec_alpha", "Per-token acceptance probability α = accepted / (accepted + rejections)"),
+    _g("specdec_mean_accepted_length", "τ = 1 + accepted / speculative steps over the window"),
+    _g("specdec_mean_draft_length", "Mean γ of speculative sequence-steps over the window"),
+    _g("specdec_expected_speedup", "Ŝ = (1-α^(γ+1)) / ((1-α)(γc+1)) with c of the basis", "basis"),
+    _g("specdec_measured_speedup", "Emitted tokens/s over plain-decoding tokens/s, same batches"),
+)
+
+
+def all_metric_specs() -> dict[str, MetricSpec]:
+    return {s.name: s for s in SERVER_METRICS + COORDINATOR_METRICS}
+
+
+def exposed_series_names() -> set[str]:
+    """Every sample name a scrape can show (histograms add _bucket, _sum, _count)."""
+    names = set()
+    for spec in all_metric_specs().values():
+        if spec.kind == "histogram":
+            names |= {spec.name + s for s in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(spec.name)
+    return names
+
+
+def _build(specs: Iterable[MetricSpec], registry: CollectorRegistry) -> dict:
+    out = {}
+    for s in specs:
+        # prometheus_client appends _total itself; give it the bare name so the family is right.
+        name = s.name[: -len("_total")] if s.kind == "counter" else s.name
+        if s.kind == "counter":
+            out[s.name] = Counter(name, s.help, s.labels, registry=registry)
+        elif s.kind == "gauge":
+            out[s.name] = Gauge(name, s.help, s.labels, registry=registry)
+        else:
+            out[s.name] = Histogram(name, s.help, s.labels, registry=registry, buckets=s.buckets)
+    return out
+
+
+class _ProcessMetrics:
+    def __init__(self, registry: CollectorRegistry, role: str, specs: Sequence[MetricSpec]) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        self.registry = registry
+        self._m = _build(specs, registry)
+        for code in STATUS_CODES[1:]:
+            self._m["specdec_errors_total"].labels(role=role, code=code)
+        self._m["specdec_running_sequences"].labels(role=role).set(0)
+
+    def observe_rpc(self, rpc: str, seconds: float) -> None:
+        self._m["specdec_rpc_seconds"].labels(role=self.role, rpc=rpc).observe(seconds)
+
+    def set_running(self, n: int) -> None:
+        self._m["specdec_running_sequences"].labels(role=self.role).set(n)
+
+    def count_error(self, code: str, n: int = 1) -> None:
+        self._m["specdec_errors_total"].labels(role=self.role, code=code).inc(n)
+
+
+class ServerMetrics(_ProcessMetrics):
+    """What a model server (draft or target) exports; `profile` feeds StepTiming.decode_forward_seconds.
+
+    The server profiles at warm-up with `profile.profile(time_one_forward, query_lens=(1, k+1))`
+    (or `profile.set_profiled`), then calls `observe_forward` for every live forward.
+    """
+
+    def __init__(self, registry: CollectorRegistry, role: str,
+                 buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+                 ema_weight: float = DEFAULT_EMA_WEIGHT) -> None:
+        if role not in ("draft", "target"):
+            raise ValueError(f"a model server's role is draft or target, got {role!r}")
+        super().__init__(registry, role, SERVER_METRICS)
+        gauge = self._m["specdec_forward_profile_seconds"]
+        self.profile = CostProfile(buckets, ema_weight, on_update=lambda b, q, s: gauge.labels(
+            role=role, batch=str(b), query_len=str(q)).set(s))
+
+    def observe_forward(self, phase: str, batch_size: int, query_len: int | None,
+                        seconds: float) -> None:
+        """One forward of `batch_size` sequences, `query_len` tokens each.
+
+        query_len is None for a batch whose sequences have different token counts: such a forward
+        goes into the histogram only. Uniform decode/verify forwards also update the profile;
+        prefill never does (its cost depends on the prompt length, not on the batch bucket).
+        """
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        self._m["specdec_forward_seconds"].labels(role=self.role, phase=phase).observe(seconds)
+        if phase != "prefill" and query_len is not None:
+            self.profile.update(batch_size, query_len, seconds)
+
+    def decode_forward_seconds(self, batch_size: int) -> float:
+        """Single-token forward seconds at batch_size's bucket; 0.0 when not known (proto default)."""
+        return self.profile.get(batch_size, 1) or 0.0
+
+    def set_kv(self, used: int, free: int) -> None:
+        self._m["specdec_kv_blocks_used"].labels(role=self.role).set(used)
+        self._m["specdec_kv_blocks_free"].labels(role=self.role).set(free)
+
+
+class CoordinatorMetrics(_ProcessMetrics):
+    """What the coordinator exports: raw counters, stage and request histograms, cost gauges.
+
+    Counters are the ground truth (dashboards take rate() of them); the gauges are SpecStats'
+    per-bucket EMAs and window values (see specdec/cost_model.py for exact definitions), refreshed
+    after every step. Gauges read NaN until their inputs exist. Not thread-safe: call it from the
+    coordinator's event loop only (scrapes read the prometheus_client values, which are).
+    """
+
+    def __init__(self, registry: CollectorRegistry, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+                 window_steps: int = 256, ema_weight: float = DEFAULT_EMA_WEIGHT,
+                 max_positions: int = 16) -> None:
+        super().__init__(registry, "coordinator", COORDINATOR_METRICS)
+        self.stats = SpecStats(buckets, window_steps, ema_weight)
+        self.max_positions = max_positions
+        for code in STATUS_CODES:
+            self._m["specdec_requests_total"].labels(code=code)
+        self._m["specdec_expected_speedup"].labels(basis="model")
+        self._m["specdec_expected_speedup"].labels(basis="system")
+        self._set_window(self.stats.window())
+
+    def _position(self, p: int) -> str:
+        # Positions past max_positions share one series, bounding the label's cardinality.
+        return str(p) if p <= self.max_positions else f">{self.max_positions}"
+
+    def observe_step(self, drafted: Sequence[int], accepted: Sequence[int],
+                     emitted: Sequence[int] | None = None, *, step_seconds: float,
+                     stage_seconds: Mapping[str, float] | None = None, has_prefill: bool = False,
+                     draft_timing: ServerTiming | None = None,
+                     target_timing: ServerTiming | None = None) -> WindowStats:
+        """One batched step: per-sequence γ (0 = plain), accepted drafts and emitted tokens.
+
+        emitted defaults to accepted + 1 (the correction or bonus token); pass it when a stop
+        condition cut the output or a sequence only prefilled (0). stage_seconds holds wall times
+        of STAGES ("propose" feeds c_system). has_prefill marks steps that carried prompt tokens:
+        they count for acceptance but not for step-time EMAs. draft_timing / target_timing are the
+        servers' StepTiming messages (or ServerTiming). Returns the window after this step.
+        """
+        stage_seconds = dict(stage_seconds or {})
+        unknown = set(stage_seconds) - set(STAGES)
+        if unknown:
+            raise ValueError(f"stage_seconds: unknown stages {sorted(unknown)}, expected {STAGES}")
+        emitted = [a + 1 for a in accepted] if emitted is None else list(emitted)
+        self.stats.add_step(drafted, accepted, emitted, step_seconds, stage_seconds.get("propose", 0.0),
+                            has_prefill, draft_timing, target_timing)
+        m = self._m
+        m["specdec_draft_tokens_total"].inc(sum(drafted))
+        m["specdec_accepted_tokens_total"].inc(sum(accepted))
+        m["specdec_emitted_tokens_total"].inc(sum(emitted))
+        m["specdec_spec_steps_total"].inc(sum(1 for d in drafted if d > 0))
+        m["specdec_plain_steps_total"].inc(sum(1 for d in drafted if d == 0))
+        m["specdec_rejections_total"].inc(sum(1 for a, d in zip(accepted, drafted) if a < d))
+        by_pos_d, by_pos_a = m["specdec_draft_tokens_by_position_total"], m["specdec_accepted_tokens_by_position_total"]
+        for d, a in zip(drafted, accepted):
+            for p in range(1, d + 1):
+                by_pos_d.labels(position=self._position(p)).inc()
+                if p <= a:
+                    by_pos_a.labels(position=self._position(p)).inc()
+                elif p == a + 1:
+                    by_pos_a.labels(position=self._position(p))  # the series exists, at 0
+        for stage, seconds in stage_seconds.items():
+            m["specdec_stage_seconds"].labels(stage=stage).observe(seconds)
+        m["specdec_step_seconds"].labels(mode="spec" if max(drafted) > 0 else "plain").observe(step_seconds)
+        self._set_buckets()
+        window = self.stats.window()
+        self._set_window(window)
+        return window
+
+    def _set_buckets(self) -> None:
+        st, m = self.stats, self._m
+        for b in st.buckets_seen():
+            for name, value in (("specdec_cost_coefficient", st.c.get(b)),
+                                ("specdec_system_cost_coefficient", st.c_system(b)),
+                                ("specdec_verify_cost_ratio", st.verify_ratio.get(b)),
+                                ("specdec_plain_step_seconds", st.plain_step_seconds(b))):
+                if value is not None:
+                    m[name].labels(batch=str(b)).set(value)
+
+    def _set_window(self, w: WindowStats) -> None:
+        m = self._m
+        for name, value in (("specdec_acceptance_ratio", w.acceptance_ratio), ("specdec_alpha", w.alpha),
+                            ("specdec_mean_accepted_length", w.mean_accepted_length),
+                            ("specdec_mean_draft_length", w.mean_draft_length),
+                            ("specdec_measured_speedup", w.measured_speedup)):
+            m[name].set(_nan(value))
+        m["specdec_expected_speedup"].labels(basis="model").set(_nan(w.expected_speedup))
+        m["specdec_expected_speedup"].labels(basis="system").set(_nan(w.expected_speedup_system))
+
+    def observe_first_token(self, seconds: float) -> None:
+        """Time to first token of one request, observed when that token is emitted."""
+        self._m["specdec_time_to_first_token_seconds"].observe(seconds)
+
+    def observe_request(self, code: str, duration_seconds: float, output_tokens: int,
+                        ttft_seconds: float | None = None) -> None:
+        """A finished request: its status name (STATUS_CODES), latency, and TPOT when defined.
+
+        TPOT = (duration - TTFT) / (output_tokens - 1), the mean gap between later tokens; a
+        request with fewer than two tokens or without a first token has none.
+        """
+        self._m["specdec_requests_total"].labels(code=code).inc()
+        self._m["specdec_request_duration_seconds"].observe(duration_seconds)
+        if ttft_seconds is not None and output_tokens >= 2:
+            tpot = max(duration_seconds - ttft_seconds, 0.0) / (output_tokens - 1)
+            self._m["specdec_time_per_output_token_seconds"].observe(tpot)
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+class MetricsServer:
+    """The /metrics HTTP endpoint of one process (prometheus_client's WSGI server on a thread)."""
+
+    def __init__(self, port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> None:
+        self._httpd, self._thread = start_http_server(port, addr=addr, registry=registry)
+        self.port: int = self._httpd.server_port  # the real one when port=0
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> MetricsServer:
+    """Serves `registry` at http://addr:port/metrics until .close(); port 0 picks a free port."""
+    return MetricsServer(port, registry, addr)
+
+
+__all__ = ["ROLES", "PHASES", "STAGES", "RPCS", "STATUS_CODES", "MetricSpec", "SERVER_METRICS",
+           "COORDINATOR_METRICS", "all_metric_specs", "exposed_series_names", "ServerMetrics",
+           "CoordinatorMetrics", "ServerTiming", "WindowStats", "MetricsServer",
+           "start_metrics_server", "bucket_for"]
