@@ -156,3 +156,86 @@ class CacheConfig:
     @property
     def max_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '4GiB', '512MB', '1.5gib' or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower()
+    num = s.rstrip("abgikm")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"kv_memory: cannot read {text!r} as a size (e.g. 4GiB)") from None
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise ConfigError(f"kv_memory: cannot read {text!r} as a positive size (e.g. 4GiB)")
+    return int(value * _SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a model server's engine needs: model, device, KV sizing, limits of a step."""
+    model: Path
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    num_blocks: int | None = None     # exactly this many KV blocks, or
+    kv_memory: int | None = None      # this many bytes of KV; neither: see default_kv_memory()
+    max_model_len: int | None = None  # None: the model's max_position
+    max_num_draft: int = 16           # largest num_draft (and verify length - 1) a step accepts
+    probs_dtype: torch.dtype = torch.float16  # draft probability transport (fp16 or bf16)
+    warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+
+    def __post_init__(self) -> None:
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ConfigError(f"device: expected cpu or cuda[:n], got {self.device!r}")
+        if self.num_blocks is not None and self.kv_memory is not None:
+            raise ConfigError("num_blocks and kv_memory: give one, not both")
+        for name in ("num_blocks", "kv_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if not 1 <= self.max_num_draft <= 256:
+            raise ConfigError(f"max_num_draft must be in 1..256, got {self.max_num_draft}")
+        if self.probs_dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"probs_dtype: expected float16 or bfloat16, got {self.probs_dtype}")
+        if not self.warmup_batch_sizes or min(self.warmup_batch_sizes) < 1:
+            raise ConfigError(f"warmup_batch_sizes must be positive, got {self.warmup_batch_sizes}")
+        CacheConfig(num_blocks=1, block_size=self.block_size)  # block_size check
+
+    def default_kv_memory(self, free_device_bytes: int | None) -> int:
+        # CPU (tests, demo): a small fixed cache; GPU: most of what is left after the weights.
+        if free_device_bytes is None:
+            return 64 * 2**20
+        return int(free_device_bytes * 0.85)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A model server process: which engine it runs and where it listens."""
+    role: str  # "draft" or "target"
+    engine: EngineConfig
+    host: str = "[::]"
+    port: int = 50051
+    grace_seconds: float = 5.0  # in-flight steps may finish this long after SIGTERM
+    torch_threads: int | None = None  # CPU intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.role not in ("draft", "target"):
+            raise ConfigError(f"role: expected draft or target, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.grace_seconds < 0:
+            raise ConfigError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,1 @@
+"""specdec draft model server: `python -m draft_server --model PATH ...`."""

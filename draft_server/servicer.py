@@ -1,0 +1,31 @@
+"""specdec.v1.Draft: pb <-> DraftEngine for one step; the rest is the shared ModelServicer."""
+from __future__ import annotations
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert
+from specdec.serving.server import EngineRuntime
+from specdec.serving.servicer import ModelServicer
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
+    async def Propose(self, request_iterator, context):
+        async for response in self._steps(request_iterator):
+            yield response
+
+    def _step(self, request: pb.ProposeRequest, received: float) -> pb.ProposeResponse:
+        engine = self.runtime.engine
+        prepared = convert.draft_seqs_from_pb(request)
+        step = engine.propose([p for p in prepared if not isinstance(p, convert.SeqError)],
+                              list(request.release))
+        outputs = convert.merge(prepared, step.outputs)
+        results = [convert.draft_result_to_pb(s.seq_id, o, engine.config.probs_dtype)
+                   for s, o in zip(request.seqs, outputs)]
+        return pb.ProposeResponse(step=request.step, results=results,
+                                  timing=self._finish_timing(step.timing, request, received))
+
+
+def add_to_server(server, runtime: EngineRuntime) -> None:
+    pb_grpc.add_DraftServicer_to_server(DraftServicer(runtime), server)

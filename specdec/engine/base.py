@@ -1,0 +1,182 @@
+"""What the draft and target engines share: loading, KV sizing, per-sequence validation and
+admission, release, info, and the warm-up profile of single-token forwards.
+
+Engines are synchronous and not thread-safe; the servers call them from one executor thread.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import CacheConfig, ConfigError, EngineConfig
+from specdec.kv_cache import KVCache
+from specdec.models.loader import load_model
+from specdec.runner import ModelRunner, SeqInput
+from specdec.sampling.params import SamplingParams, SamplingParamsError
+from specdec.tokenizer_info import tokenizer_fingerprint
+from specdec.engine.timing import DecodeProfile, ForwardClock
+from specdec.engine.types import Code, ModelInfo, SeqFailure
+
+WARMUP_CONTEXT = 16  # tokens of context behind the timed single-token forward
+
+
+@dataclass
+class Admission:
+    """One admitted sequence of a step: whether the step created it and how long its KV was
+    before the step (what an aborted step rolls back to)."""
+    seq_id: int
+    is_new: bool
+    kv_len_before: int
+
+
+class ModelEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        model, self.model_config = load_model(config.model, config.dtype, self.device)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position
+        if self.max_model_len > mc.max_position:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {mc.max_position}")
+        cache = CacheConfig(self._num_blocks(model), config.block_size, config.dtype)
+        self.runner = ModelRunner(model, cache)
+        self.vocab_size = mc.vocab_size
+        self.fingerprint = tokenizer_fingerprint(config.model)
+        self.profile = DecodeProfile()
+
+    def _num_blocks(self, model) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = KVCache.bytes_per_block(self.model_config, cfg.block_size, cfg.dtype,
+                                            model.num_kv_heads_local)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        budget = cfg.kv_memory if cfg.kv_memory is not None else cfg.default_kv_memory(free)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ConfigError(f"kv_memory: {budget} bytes is less than one KV block ({per_block} bytes)")
+        return blocks
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def release(self, seq_ids: Iterable[int]) -> int:
+        """Frees the KV of the ids it holds (unknown ids are ignored); returns how many it held."""
+        released = 0
+        for seq_id in seq_ids:
+            if seq_id in self.runner.blocks:
+                self._forget(seq_id)
+                released += 1
+        return released
+
+    def _forget(self, seq_id: int) -> None:
+        self.runner.free(seq_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.runner.blocks.num_free
+
+    def num_sequences(self) -> int:
+        return len(self.runner.blocks.seq_ids())
+
+    def info(self) -> ModelInfo:
+        mc, blocks = self.model_config, self.runner.blocks
+        return ModelInfo(
+            model_name=str(self.config.model), architecture=mc.architecture, vocab_size=mc.vocab_size,
+            tokenizer_fingerprint=self.fingerprint, max_model_len=self.max_model_len,
+            kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free,
+            block_size=blocks.block_size, device=str(self.device),
+            dtype=str(self.config.dtype).removeprefix("torch."), eos_token_ids=mc.eos_token_ids,
+            num_sequences=self.num_sequences(), tensor_parallel_size=1)
+
+    # --- validation --------------------------------------------------------------------------
+    def check_tokens(self, tokens: Sequence[int], field: str) -> None:
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise SeqFailure(Code.INVALID_ARGUMENT,
+                             f"{field}: token id {bad} outside the vocabulary 0..{self.vocab_size - 1}")
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        try:
+            params.validate_against_vocab(self.vocab_size)
+        except SamplingParamsError as e:
+            raise SeqFailure(Code.INVALID_ARGUMENT, f"sampling.{e}") from None
+
+    def check_length(self, total: int, what: str) -> None:
+        if total > self.max_model_len:
+            raise SeqFailure(Code.INVALID_ARGUMENT,
+                             f"{what}: sequence would reach {total} tokens, over max_model_len "
+                             f"{self.max_model_len}")
+
+    def check_num_draft(self, n: int, field: str) -> None:
+        if not 0 <= n <= self.config.max_num_draft:
+            raise SeqFailure(Code.INVALID_ARGUMENT,
+                             f"{field}: {n} outside 0..{self.config.max_num_draft}")
+
+    # --- admission ---------------------------------------------------------------------------
+    def blocks_to_grow(self, seq_id: int, kv_len_after: int) -> int:
+        blocks = self.runner.blocks
+        have = len(blocks.block_table(seq_id)) if seq_id in blocks else 0
+        return max(0, blocks.blocks_needed(kv_len_after) - have)
+
+    def admit(self, seq_id: int, kv_len_after: int, budget: list[int]) -> Admission:
+        """Reserves (in `budget`, the free blocks not yet promised this step) the blocks a sequence
+        needs to reach kv_len_after; creates it if new. Raises RESOURCE_EXHAUSTED without side
+        effects when they are not free, so a failing new sequence leaves nothing behind."""
+        need = self.blocks_to_grow(seq_id, kv_len_after)
+        if need > budget[0]:
+            raise SeqFailure(Code.RESOURCE_EXHAUSTED,
+                             f"kv cache: sequence {seq_id} needs {need} more blocks, {budget[0]} free "
+                             f"of {self.runner.blocks.num_blocks}")
+        budget[0] -= need
+        is_new = seq_id not in self.runner.blocks
+        if is_new:
+            self.runner.add_sequence(seq_id)
+        return Admission(seq_id, is_new, self.runner.num_tokens(seq_id))
+
+    def roll_back(self, admitted: Iterable[Admission]) -> None:
+        """After a failed forward: the step leaves no trace (new sequences freed, others cut back)."""
+        for a in admitted:
+            if a.seq_id not in self.runner.blocks:
+                continue
+            if a.is_new:
+                self._forget(a.seq_id)
+            else:
+                self.runner.truncate(a.seq_id, min(a.kv_len_before, self.runner.num_tokens(a.seq_id)))
+
+    # --- timing ------------------------------------------------------------------------------
+    def clock(self) -> ForwardClock:
+        return ForwardClock(self.device)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warm_up(self, repeats: int = 3) -> dict[int, float]:
+        """Times one single-token forward at each warm-up batch size (median of `repeats`, after one
+        untimed run that pays for lazy initialisation) and seeds the decode profile with it."""
+        blocks = self.runner.blocks
+        for b in self.config.warmup_batch_sizes:
+            if b * blocks.blocks_needed(WARMUP_CONTEXT + repeats + 1) > blocks.num_free:
+                continue
+            ids = [("warmup", i) for i in range(b)]
+            try:
+                for sid in ids:
+                    self.runner.add_sequence(sid)
+                self.runner.step([SeqInput(sid, [1] * WARMUP_CONTEXT) for sid in ids])
+                times = []
+                for r in range(repeats + 1):
+                    self.synchronize()
+                    t0 = time.perf_counter()
+                    self.runner.step([SeqInput(sid, [1]) for sid in ids])
+                    self.synchronize()
+                    if r:
+                        times.append(time.perf_counter() - t0)
+                self.profile.set(b, statistics.median(times))
+            finally:
+                for sid in ids:
+                    self.runner.free(sid)
+        return self.profile.table()

@@ -1,0 +1,147 @@
+"""Draft engine: per step, roll each sequence back to its surviving drafts, append what it has not
+seen, and draft num_draft tokens autoregressively, batched over all sequences (one forward per
+drafted position)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.runner import SeqInput
+from specdec.sampling.draft import draft_sample
+from specdec.sampling.probs import SamplingTensors
+from specdec.engine.base import Admission, ModelEngine
+from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
+                                  StepTiming)
+
+
+@dataclass
+class DraftState:
+    """A sequence as the draft knows it. tokens = confirmed tokens + the last proposal's drafts;
+    the first `base` are confirmed. The KV holds a prefix of tokens (after a proposal of k it lacks
+    the last drafted token, which was never fed)."""
+    tokens: list[int] = field(default_factory=list)
+    base: int = 0
+
+
+@dataclass
+class Plan:
+    index: int            # position in the request
+    seq: DraftSeqInput
+    tokens: list[int]     # the sequence after this step's keep + new_tokens, before drafting
+    feed: list[int]       # tokens to run through the model before the first draft
+    admission: Admission | None = None
+
+
+class DraftEngine(ModelEngine):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.states: dict[int, DraftState] = {}
+
+    def _forget(self, seq_id) -> None:
+        super()._forget(seq_id)
+        self.states.pop(seq_id, None)
+
+    def propose(self, seqs: Sequence[DraftSeqInput], release: Sequence[int] = ()) -> StepResult:
+        t0 = time.perf_counter()
+        self.release(release)
+        outputs: list[DraftOutput | None] = [None] * len(seqs)
+        plans: list[Plan] = []
+        budget = [self.num_free_blocks]
+        seen: set[int] = set()
+        for i, seq in enumerate(seqs):
+            try:
+                plan = self._plan(i, seq, seen)
+                # The KV grows to tokens + num_draft - 1 (the last draft is never fed).
+                plan.admission = self.admit(seq.seq_id, len(plan.tokens) + max(seq.num_draft - 1, 0),
+                                            budget)
+                plans.append(plan)
+            except SeqFailure as f:
+                outputs[i] = DraftOutput(seq.seq_id, error=f.error)
+        clock = self.clock()
+        try:
+            drafted, probs = self._draft(plans, clock)
+        except BaseException:
+            self.roll_back(p.admission for p in plans)
+            raise
+        for plan, toks, q in zip(plans, drafted, probs):
+            self.states[plan.seq.seq_id] = DraftState(plan.tokens + toks, len(plan.tokens))
+            outputs[plan.index] = DraftOutput(plan.seq.seq_id, toks, q)
+        forwards = clock.seconds()
+        self._update_profile(plans, forwards)
+        timing = StepTiming(forward_seconds=sum(forwards), step_seconds=time.perf_counter() - t0,
+                            batch_size=len(seqs), num_forwards=len(forwards),
+                            decode_forward_seconds=self.profile(len(plans)))
+        return StepResult(outputs, timing)
+
+    def _plan(self, index: int, seq: DraftSeqInput, seen: set[int]) -> Plan:
+        """Validates one sequence and rolls its KV back to what survives; no other state changes
+        (a sequence failing later in the step keeps its old state, consistent with the shorter KV)."""
+        if seq.seq_id in seen:
+            raise SeqFailure(Code.INVALID_ARGUMENT, f"seq_id: {seq.seq_id} appears twice in one step")
+        seen.add(seq.seq_id)
+        self.check_num_draft(seq.num_draft, "num_draft")
+        self.check_tokens(seq.new_tokens, "new_tokens")
+        self.check_sampling(seq.sampling)
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            if not seq.new_tokens:
+                raise SeqFailure(Code.INVALID_ARGUMENT, f"new_tokens: empty for new sequence {seq.seq_id}")
+            tokens = list(seq.new_tokens)
+        else:
+            drafted = len(state.tokens) - state.base
+            if not 0 <= seq.keep <= drafted:
+                raise SeqFailure(Code.INVALID_ARGUMENT,
+                                 f"keep: {seq.keep} outside 0..{drafted} (drafts proposed last step)")
+            tokens = state.tokens[:state.base + seq.keep] + list(seq.new_tokens)
+        self.check_length(len(tokens) + seq.num_draft, "new_tokens + num_draft")
+        if state is None:
+            return Plan(index, seq, tokens, feed=tokens)
+        kv_len = min(self.runner.num_tokens(seq.seq_id), state.base + seq.keep)
+        if kv_len == len(tokens) and seq.num_draft:
+            kv_len -= 1  # nothing new to feed, but drafting needs the last token's logits
+        self.runner.truncate(seq.seq_id, kv_len)
+        return Plan(index, seq, tokens, feed=tokens[kv_len:])
+
+    def _draft(self, plans: list[Plan], clock) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Per plan the drafted tokens and (sampled sequences only) the transport-rounded
+        distributions [k, V] they were drawn from. The first forward runs every sequence's feed
+        (sequences with num_draft 0 only append); each later one feeds one token per sequence still
+        drafting, so sequences with smaller num_draft drop out as they finish."""
+        drafted: list[list[int]] = [[] for _ in plans]
+        qs: list[list[torch.Tensor]] = [[] for _ in plans]
+        active = [i for i, p in enumerate(plans) if p.seq.num_draft]
+        params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
+        rows = list(range(len(active)))  # rows of `params` still drafting
+        items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
+        step = 0
+        while items:
+            with clock.forward():
+                logits = self.runner.step(items)
+            if not rows:
+                break
+            logits = torch.cat([x for x in logits if len(x)])                  # [len(rows), V]
+            sub = params if len(rows) == len(active) else params.index(
+                torch.tensor(rows, device=self.device))
+            idx = [active[r] for r in rows]
+            positions = torch.tensor([len(plans[i].tokens) + step for i in idx])
+            tokens, q = draft_sample(logits, sub, positions, self.config.probs_dtype)
+            for i, tok, q_row in zip(idx, tokens.tolist(), q):
+                drafted[i].append(tok)
+                if not plans[i].seq.sampling.greedy:
+                    qs[i].append(q_row)
+            step += 1
+            rows = [r for r in rows if plans[active[r]].seq.num_draft > step]
+            items = [SeqInput(plans[active[r]].seq.seq_id, [drafted[active[r]][-1]]) for r in rows]
+        return drafted, [torch.stack(q).cpu() if q else None for q in qs]
+
+    def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:
+        # Forwards after the first feed exactly one token per sequence: live single-token samples.
+        counts = sorted((p.seq.num_draft for p in plans if p.seq.num_draft), reverse=True)
+        for step, seconds in enumerate(forwards[1:], start=1):
+            batch = sum(1 for k in counts if k > step)
+            if batch:
+                self.profile.update(batch, seconds)

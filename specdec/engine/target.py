@@ -1,0 +1,141 @@
+"""Target engine: per step, ONE forward over every sequence's new tokens + drafts, batched
+rejection sampling, and KV rollback to the accepted prefix."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.runner import SeqInput
+from specdec.sampling.probs import SamplingTensors
+from specdec.sampling.rejection import rejection_sample
+from specdec.engine.base import Admission, ModelEngine
+from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
+                                  VerifySeqInput)
+
+
+@dataclass
+class Plan:
+    index: int
+    seq: VerifySeqInput
+    start: int             # tokens in the KV before the step
+    admission: Admission
+
+    @property
+    def num_logits(self) -> int:
+        return 0 if self.seq.partial_prefill else len(self.seq.draft_tokens) + 1
+
+    @property
+    def first_draft_position(self) -> int:
+        return self.start + len(self.seq.new_tokens)
+
+
+class TargetEngine(ModelEngine):
+    def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
+        t0 = time.perf_counter()
+        self.release(release)
+        outputs: list[VerifyOutput | None] = [None] * len(seqs)
+        plans: list[Plan] = []
+        budget = [self.num_free_blocks]
+        seen: set[int] = set()
+        for i, seq in enumerate(seqs):
+            try:
+                start = self._validate(seq, seen)
+                total = start + len(seq.new_tokens) + len(seq.draft_tokens)
+                plans.append(Plan(i, seq, start, self.admit(seq.seq_id, total, budget)))
+            except SeqFailure as f:
+                outputs[i] = VerifyOutput(seq.seq_id, error=f.error)
+        clock = self.clock()
+        try:
+            results = self._score(plans, clock)
+        except BaseException:
+            self.roll_back(p.admission for p in plans)
+            raise
+        for plan, (accepted, next_token) in zip(plans, results):
+            # The KV keeps the accepted drafts; next_token comes back as next step's new_tokens.
+            self.runner.truncate(plan.seq.seq_id, plan.first_draft_position + accepted)
+            outputs[plan.index] = VerifyOutput(plan.seq.seq_id, accepted, next_token)
+        forwards = clock.seconds()
+        if forwards and plans and all(len(p.seq.new_tokens) + len(p.seq.draft_tokens) == 1 for p in plans):
+            self.profile.update(len(plans), forwards[0])  # a plain decode step: a live sample of t(b, 1)
+        timing = StepTiming(forward_seconds=sum(forwards), step_seconds=time.perf_counter() - t0,
+                            batch_size=len(seqs), num_forwards=len(forwards),
+                            decode_forward_seconds=self.profile(len(plans)))
+        return StepResult(outputs, timing)
+
+    def _validate(self, seq: VerifySeqInput, seen: set[int]) -> int:
+        """Checks one sequence without changing anything; returns its KV length now."""
+        if seq.seq_id in seen:
+            raise SeqFailure(Code.INVALID_ARGUMENT, f"seq_id: {seq.seq_id} appears twice in one step")
+        seen.add(seq.seq_id)
+        if not seq.new_tokens:
+            # The token scoring the first draft must be fed; the target never holds its own last one.
+            raise SeqFailure(Code.INVALID_ARGUMENT, f"new_tokens: empty for sequence {seq.seq_id}")
+        k = len(seq.draft_tokens)
+        self.check_num_draft(k, "draft_tokens")
+        if seq.partial_prefill and k:
+            raise SeqFailure(Code.INVALID_ARGUMENT, "draft_tokens: must be empty with partial_prefill")
+        self.check_tokens(seq.new_tokens, "new_tokens")
+        self.check_tokens(seq.draft_tokens, "draft_tokens")
+        self.check_sampling(seq.sampling)
+        if k and not seq.sampling.greedy:
+            q = seq.draft_probs
+            if q is None:
+                raise SeqFailure(Code.INVALID_ARGUMENT,
+                                 "draft_probs: required when sampling.temperature > 0 and drafts are sent")
+            if q.dim() != 2 or q.shape[0] != k:
+                raise SeqFailure(Code.INVALID_ARGUMENT,
+                                 f"draft_probs: {tuple(q.shape)} rows for {k} draft tokens")
+            if q.shape[1] > self.vocab_size and bool(q[:, self.vocab_size:].any()):
+                raise SeqFailure(Code.INVALID_ARGUMENT,
+                                 f"draft_probs: mass on ids outside the target vocabulary of {self.vocab_size}")
+        start = self.runner.num_tokens(seq.seq_id) if seq.seq_id in self.runner.blocks else 0
+        emitted = 0 if seq.partial_prefill else 1
+        self.check_length(start + len(seq.new_tokens) + k + emitted, "new_tokens + draft_tokens")
+        return start
+
+    def _score(self, plans: list[Plan], clock) -> list[tuple[int, int]]:
+        """The forward and the rejection sampler; (accepted, next_token) per plan."""
+        if not plans:
+            return []
+        items = [SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens), p.num_logits)
+                 for p in plans]
+        with clock.forward():
+            logits = self.runner.step(items)
+        scored = [i for i, p in enumerate(plans) if p.num_logits]
+        results = [(0, -1)] * len(plans)
+        if not scored:
+            return results
+        sp = [plans[i] for i in scored]
+        counts = [len(p.seq.draft_tokens) for p in sp]
+        flat_logits = torch.cat([logits[i] for i in scored])                  # [sum(k+1), V]
+        drafts = [t for p in sp for t in p.seq.draft_tokens]
+        draft_tokens = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
+        out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
+                               SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
+                               [p.first_draft_position for p in sp]).to_host()
+        for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
+            results[i] = (accepted, tokens[-1])
+        return results
+
+    def _draft_probs(self, plans: list[Plan]) -> torch.Tensor | None:
+        """Flat [sum k, V] draft weights, or None when every draft was deterministic. Greedy
+        sequences' drafts are deterministic: one-hot rows. A draft vocabulary narrower than the
+        target's is padded with zeros (those ids were never proposed)."""
+        if all(p.seq.sampling.greedy or not p.seq.draft_tokens for p in plans):
+            return None
+        v = self.vocab_size
+        rows = []
+        for p in plans:
+            k = len(p.seq.draft_tokens)
+            if not k:
+                continue
+            if p.seq.sampling.greedy:
+                rows.append(torch.nn.functional.one_hot(torch.tensor(p.seq.draft_tokens), v).float())
+                continue
+            q = p.seq.draft_probs.float().cpu()
+            q = q[:, :v] if q.shape[1] >= v else torch.nn.functional.pad(q, (0, v - q.shape[1]))
+            rows.append(q)
+        return torch.cat(rows).to(self.device, non_blocking=True)

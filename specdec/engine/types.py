@@ -1,0 +1,98 @@
+"""Data contracts between the gRPC servicers and the engines: plain Python and tensors, no protobuf."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.sampling.params import SamplingParams
+
+
+class Code(enum.IntEnum):
+    """The google.rpc.Code numbers a per-sequence error can carry (SeqError.code on the wire)."""
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
+    INTERNAL = 13
+
+
+@dataclass(frozen=True)
+class SeqError:
+    code: Code
+    message: str
+
+
+class SeqFailure(Exception):
+    """One sequence of a step cannot be served; the rest of the batch goes on."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.error = SeqError(code, message)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    batch_size: int = 0
+    num_forwards: int = 0
+    decode_forward_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DraftSeqInput:
+    seq_id: int
+    keep: int
+    new_tokens: list[int]
+    num_draft: int
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [num_draft, V] on CPU, already rounded to the transport dtype
+    error: SeqError | None = None
+
+
+@dataclass(frozen=True)
+class VerifySeqInput:
+    seq_id: int
+    new_tokens: list[int]
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft_tokens), V_draft]; None for greedy
+    sampling: SamplingParams = SamplingParams()
+    partial_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    seq_id: int
+    accepted: int = 0
+    next_token: int = -1  # -1: partial prefill (nothing emitted) or error
+    error: SeqError | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: list  # list[DraftOutput] or list[VerifyOutput], in request order
+    timing: StepTiming
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    architecture: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_model_len: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    device: str
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    num_sequences: int
+    tensor_parallel_size: int = 1

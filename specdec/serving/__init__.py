@@ -1,0 +1,1 @@
+"""What the draft and target gRPC servers share: pb <-> engine conversion, error mapping, bootstrap."""

@@ -1,0 +1,82 @@
+"""Turns exceptions escaping a handler into a gRPC status, so no request can kill the server."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from specdec.block_manager import OutOfBlocks
+from specdec.config import ConfigError
+from specdec.sampling.params import SamplingParamsError
+from specdec.serving.convert import RequestError
+
+log = logging.getLogger(__name__)
+
+
+class NotReady(RuntimeError):
+    """The model is still loading (UNAVAILABLE: the client retries)."""
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, (RequestError, SamplingParamsError, ConfigError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OutOfBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NotReady):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code, message = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    else:
+        log.info("%s: %s %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def _wrap_unary(behavior: Callable, method: str) -> Callable:
+    async def handler(request, context):
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await _abort(context, e, method)
+    return handler
+
+
+def _wrap_stream(behavior: Callable, method: str) -> Callable:
+    async def handler(request_or_iterator, context):
+        try:
+            async for response in behavior(request_or_iterator, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await _abort(context, e, method)
+    return handler
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps the handlers of services under `prefix` (ours; health and reflection are left alone)."""
+
+    def __init__(self, prefix: str = "/specdec.v1."):
+        self.prefix = prefix
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+        m = details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, m), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, m), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, m), **kw)
+        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, m), **kw)

@@ -1,0 +1,153 @@
+"""Model-server bootstrap shared by draft_server and target_server: command line -> ServerConfig,
+grpc.aio server with health checking, reflection and the error interceptor, and the one executor
+thread that owns the engine (the asyncio loop never blocks on the model)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from specdec.config import ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
+from specdec.engine.base import ModelEngine
+from specdec.models.loader import CheckpointError
+from specdec.serving.errors import ErrorInterceptor, NotReady
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORTS = {"draft": 50051, "target": 50052}
+# Dense fp16 draft probabilities of a large vocabulary and batch run to tens of MB per step.
+MAX_MESSAGE_BYTES = 1 << 30
+SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class EngineRuntime:
+    """The engine (None while loading) and the single thread every engine call runs on."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.engine: ModelEngine | None = None
+
+    async def call(self, fn: Callable, *args):
+        if self.engine is None:
+            raise NotReady("the model is still loading")
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+# --- command line ------------------------------------------------------------------------------
+def build_parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {role}_server",
+                                description=f"specdec {role} model server (gRPC specdec.v1.{role.title()})")
+    p.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint folder")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
+    p.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto "
+                                                   "(bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--host", default="[::]")
+    p.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="0 picks a free port (logged)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=int, help="KV cache blocks")
+    kv.add_argument("--kv-memory", help="KV cache size, e.g. 8GiB (default: 85%% of free GPU memory "
+                                        "after the weights on cuda, 64MiB on cpu)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's)")
+    p.add_argument("--max-num-draft", type=int, default=16, help="most draft tokens per sequence and step")
+    if role == "draft":
+        p.add_argument("--probs-dtype", default="float16", choices=["float16", "bfloat16"],
+                       help="precision of draft probabilities on the wire")
+    p.add_argument("--warmup-batch-sizes", help="comma-separated batch sizes of the startup profile "
+                                                "(default 1,2,4,8,16,32 on cuda, 1,2 on cpu)")
+    p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight steps get at shutdown")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[ServerConfig, str]:
+    """(config, log level) from the command line; errors exit with the argparse usage message."""
+    parser = build_parser(role)
+    a = parser.parse_args(argv)
+    cuda = a.device.startswith("cuda")
+    dtype = ("bfloat16" if cuda else "float32") if a.dtype == "auto" else a.dtype
+    sizes = a.warmup_batch_sizes or ("1,2,4,8,16,32" if cuda else "1,2")
+    try:
+        engine = EngineConfig(
+            model=a.model, device=a.device, dtype=parse_dtype(dtype), block_size=a.block_size,
+            num_blocks=a.num_blocks, kv_memory=parse_size(a.kv_memory) if a.kv_memory else None,
+            max_model_len=a.max_model_len, max_num_draft=a.max_num_draft,
+            probs_dtype=parse_dtype(getattr(a, "probs_dtype", "float16")),
+            warmup_batch_sizes=tuple(int(x) for x in sizes.split(",")))
+        config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
+                              torch_threads=a.torch_threads)
+    except ValueError as e:
+        parser.error(str(e))
+    return config, a.log_level
+
+
+# --- serving -----------------------------------------------------------------------------------
+async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], ModelEngine],
+                add_servicer: Callable[[grpc.aio.Server, EngineRuntime], None], service_name: str) -> None:
+    """Listens at once (health NOT_SERVING), loads and warms the engine on its thread, then reports
+    SERVING until SIGINT/SIGTERM."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    runtime = EngineRuntime()
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    add_servicer(server, runtime)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    for name in ("", service_name):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(config.address)
+    await server.start()
+    log.info("%s server listening on %s:%d", config.role, config.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        engine = await loop.run_in_executor(runtime.executor, _load, make_engine, config.engine)
+        runtime.engine = engine
+        for name in ("", service_name):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("SERVING %s (%d KV blocks of %d tokens)", config.engine.model,
+                 engine.runner.blocks.num_blocks, engine.runner.blocks.block_size)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(config.grace_seconds)
+        runtime.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConfig) -> ModelEngine:
+    engine = make_engine(config)
+    profile = engine.warm_up()
+    log.info("decode forward profile (batch: ms): %s",
+             ", ".join(f"{b}: {s * 1e3:.3f}" for b, s in profile.items()))
+    return engine
+
+
+def main(role: str, make_engine: Callable[[EngineConfig], ModelEngine],
+         add_servicer: Callable[[grpc.aio.Server, EngineRuntime], None], service_name: str,
+         argv: Sequence[str] | None = None) -> None:
+    config, level = config_from_args(role, argv)
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config, make_engine, add_servicer, service_name))
+    except (ConfigError, CheckpointError) as e:
+        log.error("cannot start the %s server: %s", role, e)
+        raise SystemExit(2) from None

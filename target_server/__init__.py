@@ -1,0 +1,1 @@
+"""specdec target model server: `python -m target_server --model PATH ...`."""

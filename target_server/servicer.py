@@ -1,0 +1,30 @@
+"""specdec.v1.Target: pb <-> TargetEngine for one step; the rest is the shared ModelServicer."""
+from __future__ import annotations
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert
+from specdec.serving.server import EngineRuntime
+from specdec.serving.servicer import ModelServicer
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
+
+
+class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
+    async def Verify(self, request_iterator, context):
+        async for response in self._steps(request_iterator):
+            yield response
+
+    def _step(self, request: pb.VerifyRequest, received: float) -> pb.VerifyResponse:
+        engine = self.runtime.engine
+        prepared = convert.verify_seqs_from_pb(request)
+        step = engine.verify([p for p in prepared if not isinstance(p, convert.SeqError)],
+                             list(request.release))
+        outputs = convert.merge(prepared, step.outputs)
+        results = [convert.verify_result_to_pb(s.seq_id, o) for s, o in zip(request.seqs, outputs)]
+        return pb.VerifyResponse(step=request.step, results=results,
+                                 timing=self._finish_timing(step.timing, request, received))
+
+
+def add_to_server(server, runtime: EngineRuntime) -> None:
+    pb_grpc.add_TargetServicer_to_server(TargetServicer(runtime), server)

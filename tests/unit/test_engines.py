@@ -1,0 +1,236 @@
+"""DraftEngine + TargetEngine on tiny CPU models: greedy speculation is exact, KV is accounted for,
+per-sequence errors stay per sequence."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.config import EngineConfig
+from specdec.engine import (Code, DraftEngine, DraftSeqInput, TargetEngine, VerifySeqInput)
+from specdec.sampling.params import SamplingParams
+from tests.helpers.tiny_models import make_pair
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 2, 2, 2, 8, 64, 10, 11, 12], [1], [250, 251, 252]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls on a busy 2-core machine are far faster single-threaded (no OpenMP spinning).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def engine_config(path, **kw) -> EngineConfig:
+    kw.setdefault("num_blocks", 96)
+    return EngineConfig(model=path, block_size=4, warmup_batch_sizes=(1, 2), **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(pair):
+    target_path, draft_path = pair
+    return DraftEngine(engine_config(draft_path)), TargetEngine(engine_config(target_path))
+
+
+def plain_greedy(target: TargetEngine, prompts, n_new: int, first_id: int = 1000) -> list[list[int]]:
+    ids = [first_id + i for i in range(len(prompts))]
+    pending = [list(p) for p in prompts]
+    out = [[] for _ in prompts]
+    for _ in range(n_new):
+        res = target.verify([VerifySeqInput(sid, pend) for sid, pend in zip(ids, pending)]).outputs
+        for i, r in enumerate(res):
+            assert r.error is None and r.accepted == 0
+            out[i].append(r.next_token)
+            pending[i] = [r.next_token]
+    target.release(ids)
+    return out
+
+
+def speculative(draft: DraftEngine, target: TargetEngine, prompts, ks, n_new: int,
+                sampling=SamplingParams(), first_id: int = 2000) -> tuple[list[list[int]], int, int]:
+    """A minimal coordinator: per step one batched propose and one batched verify."""
+    ids = [first_id + i for i in range(len(prompts))]
+    d_new = [list(p) for p in prompts]
+    t_new = [list(p) for p in prompts]
+    keep = [0] * len(prompts)
+    out = [[] for _ in prompts]
+    drafted_total = accepted_total = 0
+    while any(len(o) < n_new for o in out):
+        live = [i for i in range(len(prompts)) if len(out[i]) < n_new]
+        prop = draft.propose([DraftSeqInput(ids[i], keep[i], d_new[i], ks[i], sampling) for i in live])
+        assert prop.timing.num_forwards == max(1, *(ks[i] for i in live))  # k=0 still appends
+        seqs = []
+        for i, d in zip(live, prop.outputs):
+            assert d.error is None and len(d.tokens) == ks[i]
+            seqs.append(VerifySeqInput(ids[i], t_new[i], d.tokens, d.probs, sampling))
+        ver = target.verify(seqs)
+        assert ver.timing.num_forwards == 1
+        for i, s, v in zip(live, seqs, ver.outputs):
+            assert v.error is None and 0 <= v.accepted <= len(s.draft_tokens)
+            out[i] += list(s.draft_tokens[:v.accepted]) + [v.next_token]
+            keep[i], d_new[i], t_new[i] = v.accepted, [v.next_token], [v.next_token]
+            drafted_total += len(s.draft_tokens)
+            accepted_total += v.accepted
+        done = [ids[i] for i in live if len(out[i]) >= n_new]
+        draft.release(done)
+        target.release(done)
+    return [o[:n_new] for o in out], drafted_total, accepted_total
+
+
+@pytest.mark.parametrize("ks", [[1, 1, 1, 1], [3, 3, 3, 3], [4, 2, 0, 5]])
+def test_greedy_speculation_equals_target_greedy(engines, ks):
+    draft, target = engines
+    reference = plain_greedy(target, PROMPTS, 12)
+    got, drafted, accepted = speculative(draft, target, PROMPTS, ks, 12)
+    assert got == reference
+    assert 0 < accepted < drafted  # the noisy draft agrees often, not always: both paths exercised
+    for engine in engines:
+        assert engine.num_free_blocks == engine.runner.blocks.num_blocks
+        assert engine.num_sequences() == 0
+
+
+def test_draft_catches_up_after_all_accepted(engines):
+    # keep == k: the last drafted token was never fed; the next step must feed it before new_tokens.
+    draft, _ = engines
+    first = draft.propose([DraftSeqInput(1, 0, [3, 4, 5], 3)]).outputs[0]
+    assert draft.runner.num_tokens(1) == 3 + 2
+    nxt = draft.propose([DraftSeqInput(1, 3, [9], 2)]).outputs[0]
+    assert draft.runner.num_tokens(1) == 3 + 3 + 1 + 1
+    assert draft.states[1].tokens == [3, 4, 5] + first.tokens + [9] + nxt.tokens
+    # A fresh sequence with the same history drafts the same tokens.
+    fresh = draft.propose([DraftSeqInput(2, 0, [3, 4, 5] + first.tokens + [9], 2)]).outputs[0]
+    assert fresh.tokens == nxt.tokens
+    draft.release([1, 2])
+    assert draft.num_free_blocks == draft.runner.blocks.num_blocks
+
+
+def test_sampled_draft_returns_the_distributions_it_sampled(engines):
+    draft, target = engines
+    params = SamplingParams(temperature=0.8, top_k=50, seed=123)
+    res = draft.propose([DraftSeqInput(7, 0, [5, 6, 7], 3, params), DraftSeqInput(8, 0, [5], 2)])
+    sampled, greedy = res.outputs
+    assert sampled.probs.shape == (3, draft.vocab_size) and greedy.probs is None
+    for tok, row in zip(sampled.tokens, sampled.probs):
+        assert row[tok] > 0 and (row > 0).sum() <= 50
+    # Seeded: the same request drafts the same tokens whatever shares its batch.
+    again = draft.propose([DraftSeqInput(9, 0, [5, 6, 7], 3, params)]).outputs[0]
+    assert again.tokens == sampled.tokens and torch.equal(again.probs, sampled.probs)
+    ver = target.verify([VerifySeqInput(7, [5, 6, 7], sampled.tokens, sampled.probs, params)]).outputs[0]
+    assert ver.error is None and 0 <= ver.accepted <= 3 and 0 <= ver.next_token < target.vocab_size
+    assert target.runner.num_tokens(7) == 3 + ver.accepted
+    draft.release([7, 8, 9])
+    target.release([7])
+
+
+def test_bad_sequences_fail_alone(engines):
+    draft, target = engines
+    v = target.vocab_size
+    res = target.verify([
+        VerifySeqInput(11, [1, 2, 3], [4, 5]),
+        VerifySeqInput(12, [1, v]),                                    # token outside the vocabulary
+        VerifySeqInput(13, [], [4]),                                    # nothing to score the draft with
+        VerifySeqInput(14, [1] * target.max_model_len),                 # no room for the emitted token
+        VerifySeqInput(15, [1, 2], [3], None, SamplingParams(temperature=1.0, seed=1)),  # no draft_probs
+        VerifySeqInput(11, [6]),                                        # seq_id twice
+        VerifySeqInput(16, [1, 2], [3], partial_prefill=True),
+    ]).outputs
+    assert res[0].error is None and res[0].next_token >= 0
+    assert [r.error.code for r in res[1:]] == [Code.INVALID_ARGUMENT] * 6
+    assert "new_tokens" in res[1].error.message and "draft_probs" in res[4].error.message
+    assert set(target.runner.blocks.seq_ids()) == {11}  # failed new sequences hold nothing
+    res = draft.propose([
+        DraftSeqInput(21, 0, [1, 2], 2),
+        DraftSeqInput(22, 0, [1], draft.config.max_num_draft + 1),
+        DraftSeqInput(23, 0, [], 1),
+    ]).outputs
+    assert res[0].error is None and len(res[0].tokens) == 2
+    assert "num_draft" in res[1].error.message and "new_tokens" in res[2].error.message
+    bad_keep = draft.propose([DraftSeqInput(21, 3, [1], 1)]).outputs[0]
+    assert bad_keep.error.code == Code.INVALID_ARGUMENT and "keep" in bad_keep.error.message
+    ok = draft.propose([DraftSeqInput(21, 2, [1], 1)]).outputs[0]   # state survived the bad step
+    assert ok.error is None and draft.states[21].tokens[:5] == [1, 2, *res[0].tokens, 1]
+    assert target.release([11]) == 1 and draft.release([21, 22, 23]) == 1
+    for engine in engines:
+        assert engine.num_free_blocks == engine.runner.blocks.num_blocks
+
+
+def test_out_of_blocks_is_resource_exhausted_and_leaks_nothing(pair):
+    target_path, draft_path = pair
+    target = TargetEngine(engine_config(target_path, num_blocks=4))   # 16 token slots
+    draft = DraftEngine(engine_config(draft_path, num_blocks=4))
+    res = target.verify([VerifySeqInput(1, [1] * 7), VerifySeqInput(2, [2] * 10),
+                         VerifySeqInput(3, [3] * 4)]).outputs
+    assert res[0].error is None and res[2].error is None
+    assert res[1].error.code == Code.RESOURCE_EXHAUSTED and "kv cache" in res[1].error.message
+    assert set(target.runner.blocks.seq_ids()) == {1, 3}
+    res = draft.propose([DraftSeqInput(1, 0, [1] * 6, 3), DraftSeqInput(2, 0, [2] * 8, 2)]).outputs
+    assert res[0].error is None and res[1].error.code == Code.RESOURCE_EXHAUSTED
+    target.release([1, 2, 3])
+    draft.release([1, 2])
+    assert target.num_free_blocks == 4 and draft.num_free_blocks == 4
+
+
+def test_info_and_profile(engines, pair):
+    draft, target = engines
+    table = target.warm_up()
+    assert {1, 2} <= set(table) and all(t > 0 for t in table.values())
+    info = target.info()
+    assert info.architecture == "LlamaForCausalLM" and info.vocab_size == 320
+    assert info.kv_blocks_total == info.kv_blocks_free == 96 and info.block_size == 4
+    assert len(info.tokenizer_fingerprint) == 64
+    assert info.tokenizer_fingerprint == draft.info().tokenizer_fingerprint
+    assert info.dtype == "float32" and info.device == "cpu" and info.eos_token_ids == (0,)
+    timing = target.verify([VerifySeqInput(5, [1, 2, 3])]).timing
+    assert timing.forward_seconds > 0 and timing.decode_forward_seconds == target.profile(1)
+    target.release([5])
+
+
+def test_chunked_prefill_matches_whole_prompt(engines):
+    _, target = engines
+    prompt = PROMPTS[1]
+    whole = target.verify([VerifySeqInput(31, prompt)]).outputs[0]
+    first = target.verify([VerifySeqInput(32, prompt[:4], partial_prefill=True)]).outputs[0]
+    assert first.error is None and first.next_token == -1 and target.runner.num_tokens(32) == 4
+    last = target.verify([VerifySeqInput(32, prompt[4:])]).outputs[0]
+    assert last.next_token == whole.next_token and target.runner.num_tokens(32) == len(prompt)
+    target.release([31, 32])
+
+
+def test_sampled_speculation_keeps_the_target_distribution(tmp_path):
+    # The first emitted token (accepted draft or correction) must follow the target's p exactly,
+    # with a draft far enough from the target that both acceptances and corrections are common.
+    from scipy.stats import chisquare
+    from specdec.runner import SeqInput
+    from specdec.sampling.probs import SamplingTensors, logits_to_probs
+
+    target_path, draft_path = make_pair(tmp_path, noise=0.02)  # ~30% accepted
+    draft, target = DraftEngine(engine_config(draft_path)), TargetEngine(engine_config(target_path))
+    prompt = [7, 8, 9]
+    params = SamplingParams(temperature=1.5, top_k=6, seed=0)
+    target.runner.add_sequence("p")
+    logits = target.runner.step([SeqInput("p", prompt)])[0]
+    target.runner.free("p")
+    p = logits_to_probs(logits, SamplingTensors.from_params([params]))[0].double()
+    counts = torch.zeros_like(p)
+    n, batch, accepted = 600, 40, 0
+    for start in range(0, n, batch):
+        seqs = [SamplingParams(temperature=1.5, top_k=6, seed=start + i) for i in range(batch)]
+        sids = [5000 + start + i for i in range(batch)]
+        prop = draft.propose([DraftSeqInput(s, 0, prompt, 2, sp) for s, sp in zip(sids, seqs)]).outputs
+        ver = target.verify([VerifySeqInput(s, prompt, d.tokens, d.probs, sp)
+                             for s, d, sp in zip(sids, prop, seqs)]).outputs
+        for d, v in zip(prop, ver):
+            counts[d.tokens[0] if v.accepted else v.next_token] += 1
+            accepted += v.accepted > 0
+        draft.release(sids)
+        target.release(sids)
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), (p[support] * n).numpy()).pvalue > 1e-3
+    assert 0.1 * n < accepted < 0.9 * n  # the correction path carried a good part of the samples
