@@ -1,0 +1,62 @@
+"""python -m coordinator --target HOST:PORT [--draft HOST:PORT] ..."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from coordinator.config import ConfigError, CoordinatorConfig
+
+
+def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
+    d = CoordinatorConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
+    p.add_argument("--target", required=True, help="target server address host:port")
+    p.add_argument("--draft", default=None, help="draft server address host:port (omit: no speculation)")
+    p.add_argument("--host", default=d["host"].default)
+    p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--tokenizer", default=None,
+                   help="folder with tokenizer.json (default: the target's model folder)")
+    p.add_argument("--max-batch-size", type=int, default=d["max_batch_size"].default)
+    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default)
+    p.add_argument("--num-draft", type=int, default=d["num_draft"].default,
+                   help="draft tokens per step when a request does not say")
+    p.add_argument("--max-num-draft", type=int, default=d["max_num_draft"].default)
+    p.add_argument("--gamma", dest="gamma_policy", choices=("fixed", "auto"),
+                   default=d["gamma_policy"].default,
+                   help="auto: pick num_draft per request from its acceptance and the cost ratio c")
+    p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default)
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float,
+                   default=d["connect_timeout_s"].default)
+    p.add_argument("--draft-timeout", dest="draft_timeout_s", type=float,
+                   default=d["draft_timeout_s"].default)
+    p.add_argument("--draft-retry", dest="draft_retry_s", type=float, default=d["draft_retry_s"].default)
+    p.add_argument("--grace", dest="grace_s", type=float, default=d["grace_s"].default)
+    p.add_argument("--log-level", default="INFO")
+    args = vars(p.parse_args(argv))
+    logging.basicConfig(level=args.pop("log_level").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return CoordinatorConfig(**args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ConfigError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return 2
+    from coordinator.app import IncompatibleModels
+    from coordinator.service import serve
+    from coordinator.tokenizer import TokenizerError
+    try:
+        asyncio.run(serve(config))
+    except (IncompatibleModels, TokenizerError, ConnectionError) as e:
+        logging.getLogger("specdec.coordinator").error("%s", e)
+        print(f"coordinator: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The coordinator assembled: server connections, the start-up compatibility check, the scheduler and
+the step loop. The gRPC servicer (service.py) only converts requests and chunks."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from coordinator.config import CoordinatorConfig
+from coordinator.scheduler import KVCapacity, Scheduler
+from coordinator.sequence import GenParams, Sequence
+from coordinator.servers import ModelServer
+from coordinator.spec_loop import SpecLoop
+from coordinator.stats import SpecStats
+from coordinator.tokenizer import TextTokenizer
+from coordinator.validation import Limits
+from protos import specdec_pb2 as pb
+
+log = logging.getLogger("specdec.coordinator")
+
+
+class IncompatibleModels(RuntimeError):
+    """Draft, target and the coordinator's tokenizer do not share one vocabulary."""
+
+
+def check_draft_compatible(target: pb.ModelInfo, draft: pb.ModelInfo) -> None:
+    problems = []
+    if target.vocab_size != draft.vocab_size:
+        problems.append(f"vocab_size: target {target.vocab_size} != draft {draft.vocab_size}")
+    if target.tokenizer_fingerprint != draft.tokenizer_fingerprint:
+        problems.append(f"tokenizer_fingerprint: target {target.tokenizer_fingerprint[:12] or '(none)'} "
+                        f"!= draft {draft.tokenizer_fingerprint[:12] or '(none)'}")
+    if problems:
+        raise IncompatibleModels(
+            f"draft model {draft.model_name} cannot speculate for target model {target.model_name}: "
+            + "; ".join(problems) + ". Draft and target must share the tokenizer and vocabulary.")
+
+
+def check_tokenizer_compatible(target: pb.ModelInfo, tokenizer: TextTokenizer) -> None:
+    if target.tokenizer_fingerprint and tokenizer.fingerprint != target.tokenizer_fingerprint:
+        raise IncompatibleModels(
+            f"tokenizer {tokenizer.path} (fingerprint {tokenizer.fingerprint[:12]}) is not the target "
+            f"model's (fingerprint {target.tokenizer_fingerprint[:12]}); pass the target's --tokenizer")
+    if tokenizer.vocab_size > target.vocab_size:
+        raise IncompatibleModels(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
+                                 f"than the target's vocab_size {target.vocab_size}")
+
+
+def _capacity(name: str, info: pb.ModelInfo) -> KVCapacity:
+    return KVCapacity(name, info.kv_blocks_total, info.block_size)
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, tokenizer: TextTokenizer, target: ModelServer,
+                 draft: ModelServer | None, target_info: pb.ModelInfo, draft_info: pb.ModelInfo | None):
+        self.config, self.tokenizer = config, tokenizer
+        self.target, self.draft = target, draft
+        self.target_info, self.draft_info = target_info, draft_info
+        self.stats = SpecStats()
+        self.limits = Limits(vocab_size=target_info.vocab_size, max_model_len=target_info.max_model_len,
+                             max_num_draft=config.max_num_draft,
+                             eos_token_ids=frozenset(target_info.eos_token_ids))
+        self.scheduler = Scheduler(config.max_batch_size, config.max_waiting,
+                                   _capacity("target", target_info),
+                                   _capacity("draft", draft_info) if draft_info else None)
+        self.loop = SpecLoop(config, self.scheduler, target, draft, self.stats,
+                             vocab_size=target_info.vocab_size,
+                             draft_max_len=draft_info.max_model_len if draft_info else 0,
+                             check_draft=self._check_draft if draft else None)
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
+        """Waits for the servers and checks that draft, target and tokenizer agree. The target is
+        required; a draft that does not answer is tried again in the background (the draft is
+        optional), but a draft that answers with another vocabulary is a start-up error."""
+        target = ModelServer("target", config.target)
+        draft = ModelServer("draft", config.draft) if config.draft else None
+        waits = [target.wait_ready(config.connect_timeout_s)]
+        if draft is not None:
+            waits.append(draft.wait_ready(config.connect_timeout_s))
+        infos = await asyncio.gather(*waits, return_exceptions=True)
+        if isinstance(infos[0], BaseException):
+            raise infos[0]
+        target_info = infos[0]
+        draft_info = None
+        if draft is not None:
+            if isinstance(infos[1], BaseException):
+                log.warning("draft server unavailable at start-up (%s); plain decoding until it answers",
+                            infos[1])
+            else:
+                draft_info = infos[1]
+                check_draft_compatible(target_info, draft_info)
+        tokenizer = TextTokenizer(config.tokenizer or target_info.model_name)
+        check_tokenizer_compatible(target_info, tokenizer)
+        coord = cls(config, tokenizer, target, draft, target_info, draft_info)
+        if draft is not None and draft_info is None:
+            coord.loop.draft_up = True  # so that set_draft_down starts the probe
+            coord.loop.set_draft_down("not reachable at start-up")
+        return coord
+
+    async def _check_draft(self) -> None:
+        info = await self.draft.info(timeout=2.0)
+        check_draft_compatible(self.target_info, info)
+        if self.draft_info is None:
+            self.draft_info = info
+            self.scheduler.draft = _capacity("draft", info)
+            self.loop.draft_max_len = info.max_model_len
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.loop.run(), name="spec-loop")
+
+    async def close(self) -> None:
+        """Stops the loop and frees, best effort, whatever the servers still hold for us."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        sched = self.scheduler
+        for seq in list(sched.running) + list(sched.waiting):
+            sched.retire(seq)
+        for server, ids in ((self.target, sched.release_target), (self.draft, sched.release_draft)):
+            if server is not None and ids:
+                try:
+                    await server.release(ids, timeout=2.0)
+                except Exception as e:  # shutting down: the server may be gone already
+                    log.info("release on the %s server at shutdown failed: %s", server.role, e)
+        await self.target.close()
+        if self.draft is not None:
+            await self.draft.close()
+
+    def new_sequence(self, params: GenParams) -> Sequence:
+        return Sequence(seq_id=next(self._ids), params=params, max_len=self.limits.max_model_len,
+                        tokenizer=self.tokenizer)
+
+    @property
+    def draft_up(self) -> bool:
+        return self.loop.draft_up

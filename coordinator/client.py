@@ -1,0 +1,129 @@
+"""Python client of the Generation service: sync and async generate() that stream chunks.
+
+    with Client("localhost:50050") as client:
+        for chunk in client.generate("def add(a, b):", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Leaving the loop early (break, exception) cancels the call, which frees the request's KV on the
+servers. Errors arrive as grpc.RpcError with the server's status code and message.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+
+FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
+                  pb.FINISH_REASON_EOS: "eos"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    steps: int
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token_ids: tuple[int, ...]
+    request_id: str
+    finish_reason: str | None = None   # "length", "stop" or "eos" on the last chunk
+    usage: Usage | None = None         # on the last chunk
+
+    @classmethod
+    def from_pb(cls, r: pb.GenerateResponse) -> "Chunk":
+        finish = FINISH_REASONS.get(r.finish_reason)
+        usage = None
+        if r.HasField("usage"):
+            u = r.usage
+            usage = Usage(u.prompt_tokens, u.completion_tokens, u.draft_tokens, u.accepted_tokens, u.steps)
+        return cls(r.text, tuple(r.token_ids), r.request_id, finish, usage)
+
+
+def build_request(prompt: str | Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 0.0, min_p: float = 0.0, seed: int | None = None,
+                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                  speculate: bool | None = None, num_draft: int = 0, request_id: str = "") -> pb.GenerateRequest:
+    """prompt: text, or a sequence of token ids. speculate None: the server's default."""
+    req = pb.GenerateRequest(max_new_tokens=max_new_tokens, stop=list(stop),
+                             stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                             num_draft=num_draft, request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+        if not prompt:
+            req.token_ids.SetInParent()  # an explicit empty prompt, for the server to refuse
+    req.sampling.temperature, req.sampling.top_k = temperature, top_k
+    req.sampling.top_p, req.sampling.min_p = top_p, min_p
+    if seed is not None:
+        req.sampling.seed = seed
+    if speculate is not None:
+        req.speculation = pb.SPECULATION_MODE_ON if speculate else pb.SPECULATION_MODE_OFF
+    return req
+
+
+class Client:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 **params) -> Iterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, **params), timeout=timeout)
+        try:
+            for response in call:
+                yield Chunk.from_pb(response)
+        finally:
+            call.cancel()  # no-op when finished; frees the servers' KV when the caller stops early
+
+    def info(self, timeout: float = 5.0) -> pb.GenerationInfo:
+        return self.stub.Info(pb.InfoRequest(), timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str):
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                       **params) -> AsyncIterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, **params), timeout=timeout)
+        try:
+            async for response in call:
+                yield Chunk.from_pb(response)
+        finally:
+            call.cancel()
+
+    async def info(self, timeout: float = 5.0) -> pb.GenerationInfo:
+        return await self.stub.Info(pb.InfoRequest(), timeout=timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

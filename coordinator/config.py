@@ -1,0 +1,51 @@
+"""The coordinator's configuration: one frozen object, built in __main__ and passed explicitly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GAMMA_POLICIES = ("fixed", "auto")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    target: str                       # target server address, host:port
+    draft: str | None = None          # draft server address; None: plain decoding only
+    host: str = "[::]"
+    port: int = 50050
+    tokenizer: str | None = None      # folder or tokenizer.json; None: the target's model folder
+    max_batch_size: int = 32          # sequences in one step
+    max_waiting: int = 64             # admitted requests queued behind a full batch
+    num_draft: int = 4                # default draft tokens per step
+    max_num_draft: int = 8            # most a request (or the auto policy) may ask for
+    gamma_policy: str = "fixed"       # how num_draft is chosen when a request leaves it to us
+    prefill_chunk: int = 512          # prompt tokens per target step (longer prompts are chunked)
+    connect_timeout_s: float = 60.0   # how long start-up waits for the servers
+    draft_timeout_s: float = 30.0     # a draft step slower than this counts as the draft failing
+    draft_retry_s: float = 5.0        # how often a lost draft server is tried again
+    grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ConfigError("target: an address host:port is required")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_batch_size", "max_num_draft", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 <= self.num_draft <= self.max_num_draft:
+            raise ConfigError(f"num_draft must be in 0..max_num_draft ({self.max_num_draft}), got {self.num_draft}")
+        if self.gamma_policy not in GAMMA_POLICIES:
+            raise ConfigError(f"gamma_policy: expected one of {GAMMA_POLICIES}, got {self.gamma_policy!r}")
+        for name in ("connect_timeout_s", "draft_timeout_s", "draft_retry_s", "grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,170 @@
+"""Start target server, draft server and coordinator as local subprocesses and wait for their health.
+
+Used by `specdec serve`, by the integration tests and by the demo:
+
+    with local_cluster(target_path, draft_path, device="cpu") as cluster:
+        Client(cluster.coordinator)...
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class LaunchError(RuntimeError):
+    """A process of the cluster died or did not become healthy; the message has its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    address: str
+    popen: subprocess.Popen | None
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class Cluster:
+    target: str
+    draft: str | None
+    coordinator: str
+    procs: dict[str, Proc] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+
+def wait_healthy(proc: Proc, timeout: float) -> None:
+    """Polls grpc.health.v1 Check until SERVING; fails early when the process exits."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(proc.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc.popen.poll() is not None:
+                raise LaunchError(f"{proc.name} exited with code {proc.popen.returncode} during start-up; "
+                                  f"log {proc.log_path}:\n{proc.log_tail()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{proc.name} at {proc.address} not healthy after {timeout:.0f}s; "
+                                  f"log {proc.log_path}:\n{proc.log_tail()}")
+            time.sleep(0.2)
+
+
+def _spawn(name: str, module: str, args: Sequence[str], port: int, log_dir: Path,
+           extra_env: dict[str, str] | None = None) -> Proc:
+    env = {**os.environ, **(extra_env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    log_path = log_dir / f"{name}.log"
+    argv = [sys.executable, "-m", module, *args]
+    return _start(Proc(name, f"127.0.0.1:{port}", None, log_path, argv, env))
+
+
+def _start(proc: Proc) -> Proc:
+    with open(proc.log_path, "ab") as log:
+        proc.popen = subprocess.Popen(proc.argv, cwd=REPO_ROOT, env=proc.env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+    return proc
+
+
+def restart(proc: Proc, timeout: float = 120.0) -> Proc:
+    """Stops (if needed) and starts a process again with the same command line, address and log;
+    waits for its health. Tests use it to take a server away and bring it back."""
+    stop_all([proc])
+    wait_healthy(_start(proc), timeout)
+    return proc
+
+
+def stop_all(procs: Sequence[Proc], timeout: float = 15.0) -> None:
+    """SIGTERM (each server drains and frees its KV), then SIGKILL what is left after `timeout`."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+def spawn_server(role: str, model: str | Path, log_dir: Path, *, device: str = "cpu",
+                 args: Sequence[str] = (), cpu_threads: int | None = 1) -> Proc:
+    """Starts `python -m {role}_server` on a free loopback port (not waiting for its health)."""
+    port = free_port()
+    env = {"OMP_NUM_THREADS": str(cpu_threads)} if cpu_threads and device == "cpu" else {}
+    return _spawn(f"{role}_server", f"{role}_server",
+                  ["--model", str(model), "--port", str(port), "--device", device, *args],
+                  port, Path(log_dir), env)
+
+
+@contextlib.contextmanager
+def local_cluster(target: str | Path, draft: str | Path | None, *, device: str = "cpu",
+                  draft_device: str | None = None, coordinator_port: int | None = None,
+                  server_args: Sequence[str] = (), coordinator_args: Sequence[str] = (),
+                  log_dir: str | Path | None = None, startup_timeout: float = 180.0,
+                  cpu_threads: int | None = 1) -> Iterator[Cluster]:
+    """Yields the three addresses once all processes answer health checks; stops them on exit.
+
+    The two model servers load in parallel; the coordinator starts after them (it checks their
+    vocabularies at start-up). cpu_threads: torch/OpenMP threads of a model server on the cpu device
+    (None: torch's default). Two servers on one small machine otherwise each spin a thread per core
+    between forwards and slow each other down ~10x."""
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="specdec-"))
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        procs: list[Proc] = []
+        stack.callback(stop_all, procs)
+        procs.append(spawn_server("target", target, log_dir, device=device, args=server_args,
+                                  cpu_threads=cpu_threads))
+        d_proc = None
+        if draft is not None:
+            d_proc = spawn_server("draft", draft, log_dir, device=draft_device or device,
+                                  args=server_args, cpu_threads=cpu_threads)
+            procs.append(d_proc)
+        for proc in procs:
+            wait_healthy(proc, startup_timeout)
+        c_port = coordinator_port or free_port()
+        c_args = ["--target", procs[0].address, "--host", "127.0.0.1", "--port", str(c_port),
+                  *coordinator_args]
+        if d_proc is not None:
+            c_args += ["--draft", d_proc.address]
+        coord = _spawn("coordinator", "coordinator", c_args, c_port, log_dir)
+        procs.insert(0, coord)  # stopped first: it releases the servers' KV on the way out
+        wait_healthy(coord, startup_timeout)
+        yield Cluster(target=procs[1].address, draft=d_proc.address if d_proc else None,
+                      coordinator=coord.address, procs={p.name: p for p in procs}, log_dir=log_dir)

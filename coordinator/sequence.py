@@ -1,0 +1,150 @@
+"""One request's life in the coordinator: what it asked for, what it produced, what each server holds.
+
+Server bookkeeping (the step protocol of DESIGN section 2):
+- target: `target_pending` are the tokens the target has not seen — the prompt (fed in chunks when
+  long) and afterwards the one token it emitted last step, which it samples but does not feed.
+- draft: `draft_pending` accumulates everything the draft has not seen and `draft_keep` is how many
+  of its last proposal survived. After a step that drafted k and accepted a (next token t) that is
+  keep = a, pending = [t]; when a == k the k-th draft was never fed to the draft's KV, and the
+  draft server itself feeds it (it remembers its proposal: specdec/engine/draft.py truncates to
+  `tokens before the proposal + keep` and feeds whatever its KV lacks). A step without the draft
+  leaves keep alone and appends the emitted tokens to pending, so the draft catches up on its next
+  proposal in one forward.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from coordinator.stops import StopStrings
+from coordinator.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+
+class Finish(enum.IntEnum):  # values of the proto's FinishReason
+    LENGTH = 1
+    STOP = 2
+    EOS = 3
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0  # always set: the coordinator draws one when the request has none
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """A validated request."""
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
+    speculate: bool = True
+    num_draft: int = 0  # 0: the coordinator's policy
+
+
+@dataclass
+class Chunk:
+    """What goes to the client stream: text and ids since the last chunk; finish on the last one."""
+    text: str
+    token_ids: list[int]
+    finish: Finish | None = None
+
+
+@dataclass
+class Abort:
+    """The request ends with a gRPC status instead of a last chunk."""
+    code: int  # grpc.StatusCode value's first element (google.rpc.Code)
+    message: str
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    params: GenParams
+    max_len: int                      # the model's limit on prompt + output
+    tokenizer: TextTokenizer
+    output: list[int] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # target side
+    target_pending: list[int] = field(default_factory=list)
+    # draft side
+    use_draft: bool = False           # speculate with the draft (request asked, capacity allowed)
+    draft_holds: bool = False         # the draft server holds this sequence's KV
+    draft_resync: bool = False        # the draft lost track (server restarted): start it afresh
+    draft_keep: int = 0
+    draft_pending: list[int] = field(default_factory=list)
+    # accounting
+    reserved_target: int = 0          # KV blocks promised by the scheduler
+    reserved_draft: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    done: bool = False                # finished, aborted or cancelled: no more chunks
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.target_pending = list(self.params.prompt_ids)
+        self.draft_pending = list(self.params.prompt_ids)
+        self._detok = IncrementalDetokenizer(self.tokenizer, list(self.params.prompt_ids))
+        self._stops = StopStrings(self.params.stop)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.params.prompt_ids) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this sequence may still emit (request budget and model length)."""
+        return min(self.params.max_new_tokens - len(self.output), self.max_len - self.num_tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.output and len(self.target_pending) > 1
+
+    def emit(self, tokens: list[int]) -> Chunk:
+        """Appends a step's tokens up to the first stop condition (later ones are dropped)."""
+        p = self.params
+        text, taken, finish, matched = [], [], None, False
+        for tok in tokens:
+            self.output.append(tok)
+            taken.append(tok)
+            piece, matched = self._stops.feed(self._detok.push(tok))
+            text.append(piece)
+            if matched:
+                finish = Finish.STOP
+            elif tok in p.stop_token_ids:
+                finish = Finish.STOP
+            elif tok in p.eos_token_ids:
+                finish = Finish.EOS
+            elif self.remaining <= 0:
+                finish = Finish.LENGTH
+            if finish is not None:
+                break
+        if finish is not None and not matched:
+            piece, matched = self._stops.feed(self._detok.flush())
+            text.append(piece)
+            if matched:
+                finish = Finish.STOP
+            else:
+                text.append(self._stops.flush())
+        return Chunk("".join(text), taken, finish)
+
+    def draft_update(self, num_draft: int, accepted: int, next_token: int) -> None:
+        """The draft's bookkeeping after a verified step (see the module docstring)."""
+        if num_draft:
+            self.draft_keep, self.draft_pending = accepted, [next_token]
+        else:
+            self.draft_pending.append(next_token)
+
+    def restart_draft(self) -> None:
+        """The draft server forgot this sequence: send it everything as a new sequence."""
+        self.draft_keep = 0
+        self.draft_pending = list(self.params.prompt_ids) + self.output

@@ -1,0 +1,117 @@
+"""The Generation servicer (pb <-> coordinator objects) and the coordinator's gRPC server, with
+health checking and reflection."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.app import Coordinator
+from coordinator.config import CoordinatorConfig
+from coordinator.scheduler import Rejected
+from coordinator.sequence import Abort, Sequence
+from coordinator.validation import InvalidRequest, validate
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specdec.coordinator")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def _status(code: int) -> grpc.StatusCode:
+    return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
+
+
+def _usage(seq: Sequence) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(seq.params.prompt_ids), completion_tokens=len(seq.output),
+                    draft_tokens=seq.drafted, accepted_tokens=seq.accepted, steps=seq.steps)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, coord: Coordinator):
+        self.coord = coord
+
+    async def Generate(self, request, context):
+        coord = self.coord
+        try:
+            params = validate(request, coord.limits, coord.tokenizer)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        seq = coord.new_sequence(params)
+        try:
+            coord.scheduler.submit(seq)
+        except Rejected as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        ended = False
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, Abort):
+                    ended = True
+                    await context.abort(_status(item.code), item.message)
+                response = pb.GenerateResponse(text=item.text, token_ids=item.token_ids,
+                                               request_id=params.request_id)
+                if item.finish is not None:
+                    ended = True
+                    response.finish_reason = int(item.finish)
+                    response.usage.CopyFrom(_usage(seq))
+                yield response
+                if ended:
+                    return
+        finally:
+            # The client went away (cancel, deadline) before the end: free the KV on both servers.
+            if not ended:
+                coord.scheduler.cancel(seq)
+
+    async def Info(self, request, context):
+        coord = self.coord
+        info = pb.GenerationInfo(default_num_draft=coord.config.num_draft,
+                                 max_batch_size=coord.config.max_batch_size)
+        try:
+            info.target.CopyFrom(await coord.target.info(timeout=2.0))
+        except grpc.aio.AioRpcError:
+            info.target.CopyFrom(coord.target_info)
+        if coord.draft is not None and coord.draft_up:
+            try:
+                info.draft.CopyFrom(await coord.draft.info(timeout=2.0))
+            except grpc.aio.AioRpcError:
+                pass
+        return info
+
+
+async def build_server(coord: Coordinator, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(coord), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    coord = await Coordinator.connect(config)
+    server, port, health_servicer = await build_server(coord, config.address)
+    coord.start()
+    await server.start()
+    log.info("coordinator listening on port %d (target %s, draft %s)", port, config.target,
+             config.draft or "none")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down (grace %.0fs)", config.grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_s)
+    await coord.close()

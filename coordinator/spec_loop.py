@@ -1,0 +1,277 @@
+"""The speculative step loop: one asyncio task drives every running sequence, one step at a time.
+
+Per step (DESIGN section 2): ONE Propose on the draft stream for the sequences that draft this step,
+then ONE Verify on the target stream for all of them (sequences that do not draft verify zero draft
+tokens, which is plain decoding), then each sequence's accepted drafts + next token go to its client.
+The draft is optional: if it fails, the step goes on without drafts and the draft is probed again
+in the background; sequences it held are released and re-sent from scratch when it is back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.gamma import choose_num_draft
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Abort, Sequence
+from coordinator.servers import ModelServer, pack_tokens, unpack_tokens
+from coordinator.stats import SpecStats
+from protos import specdec_pb2 as pb
+
+log = logging.getLogger("specdec.coordinator")
+STATS_LOG_S = 30.0  # how often the loop logs its statistics while busy
+
+
+@dataclass
+class Plan:
+    seq: Sequence
+    target_new: list[int]
+    partial: bool = False
+    num_draft: int = 0
+    drafts: list[int] = field(default_factory=list)
+    probs: pb.Probs | None = None
+
+
+def sampling_pb(seq: Sequence) -> pb.SamplingParams:
+    s = seq.params.sampling
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                             min_p=s.min_p, seed=s.seed)
+
+
+class SpecLoop:
+    def __init__(self, config: CoordinatorConfig, scheduler: Scheduler, target: ModelServer,
+                 draft: ModelServer | None, stats: SpecStats, *, vocab_size: int,
+                 draft_max_len: int = 0, check_draft=None):
+        self.config, self.scheduler, self.stats = config, scheduler, stats
+        self.target, self.draft = target, draft
+        self.vocab_size = vocab_size
+        self.draft_max_len = draft_max_len
+        self.draft_up = draft is not None
+        self._check_draft = check_draft  # async callable: Info + compatibility, raises when not
+        self._probe: asyncio.Task | None = None
+        self._step_no = 0
+        self._draft_orphans: set[int] = set()  # to release on the draft once it is reachable again
+
+    # --- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        sched = self.scheduler
+        next_log = time.monotonic() + STATS_LOG_S
+        while True:
+            if time.monotonic() >= next_log and self.stats.steps:
+                next_log = time.monotonic() + STATS_LOG_S
+                log.info("stats %s", self.stats.summary())
+            await sched.wait_for_work()
+            sched.drop_cancelled()
+            sched.admit()
+            if not sched.running:
+                await self._release_now()
+                continue
+            try:
+                await self._step(list(sched.running))
+            except Exception as e:  # a bug must not strand the clients: fail the batch, go on
+                log.exception("step failed")
+                self._abort_all(list(sched.running), grpc.StatusCode.INTERNAL, f"coordinator: {e}")
+
+    def set_draft_down(self, reason: str) -> None:
+        if not self.draft_up:
+            return
+        log.warning("draft server lost (%s); continuing by plain decoding", reason)
+        self.draft_up = False
+        self.draft.reset()
+        for seq in self.scheduler.running:
+            if seq.use_draft:
+                seq.draft_resync = True
+        if self._check_draft is not None and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_draft())
+
+    async def _probe_draft(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.draft_retry_s)
+            try:
+                await self._check_draft()
+            except Exception as e:
+                log.info("draft server still unavailable: %s", _describe(e))
+                continue
+            log.warning("draft server back; speculation resumes")
+            self.scheduler.release_draft |= self._draft_orphans
+            self._draft_orphans = set()
+            self.draft_up = True
+            return
+
+    # --- one step ----------------------------------------------------------------------------
+    def _plan(self, seq: Sequence) -> Plan:
+        chunk = self.config.prefill_chunk
+        if seq.prefilling and len(seq.target_pending) > chunk:
+            return Plan(seq, seq.target_pending[:chunk], partial=True)
+        return Plan(seq, list(seq.target_pending), num_draft=self._num_draft(seq))
+
+    def _num_draft(self, seq: Sequence) -> int:
+        if not (seq.use_draft and self.draft_up):
+            return 0
+        cfg = self.config
+        k = choose_num_draft(requested=seq.params.num_draft, policy=cfg.gamma_policy,
+                             default=cfg.num_draft, max_gamma=cfg.max_num_draft,
+                             accepted=seq.accepted, drafted=seq.drafted,
+                             global_alpha=self.stats.alpha, c=self.stats.c)
+        # More drafts than tokens the sequence may still emit are wasted (the target adds one);
+        # the draft server must also stay within its own length limit.
+        k = min(k, seq.remaining - 1)
+        if self.draft_max_len:
+            k = min(k, self.draft_max_len - seq.num_tokens)
+        return max(k, 0)
+
+    async def _step(self, seqs: list[Sequence]) -> None:
+        self._step_no += 1
+        plans = [self._plan(seq) for seq in seqs]
+        t0 = time.perf_counter()
+        draft_timing = await self._propose(plans)
+        t1 = time.perf_counter()
+        sched = self.scheduler
+        request = pb.VerifyRequest(step=self._step_no, release=sorted(sched.release_target))
+        for p in plans:
+            request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_tokens(p.target_new),
+                             draft_tokens=pack_tokens(p.drafts), sampling=sampling_pb(p.seq),
+                             partial_prefill=p.partial)
+            if p.probs is not None:
+                request.seqs[-1].draft_probs.CopyFrom(p.probs)  # as received: exactness
+        sched.release_target.clear()
+        try:
+            response = await self.target.step(request)
+        except Exception as e:
+            # The target's state is unknown: free what it may hold and fail this batch.
+            sched.release_target.update(request.release)
+            self._abort_all(seqs, grpc.StatusCode.UNAVAILABLE, f"target server failed: {_describe(e)}")
+            return
+        wall = time.perf_counter() - t1
+        if len(response.results) != len(plans):
+            self._abort_all(seqs, grpc.StatusCode.INTERNAL,
+                            f"target answered {len(response.results)} results for {len(plans)} sequences")
+            return
+        for p, r in zip(plans, response.results):
+            self._apply(p, r)
+        self.stats.record_step(max_draft=max(p.num_draft for p in plans),
+                               draft_wall_s=(t1 - t0) if draft_timing else None, target_wall_s=wall,
+                               draft_decode_s=draft_timing.decode_forward_seconds if draft_timing else 0.0,
+                               target_decode_s=response.timing.decode_forward_seconds)
+
+    async def _propose(self, plans: list[Plan]) -> pb.StepTiming | None:
+        """The draft's part of the step; on return every plan's drafts are set (or num_draft is 0)."""
+        sched = self.scheduler
+        drafting = [p for p in plans if p.num_draft > 0]
+        if not drafting:
+            return None
+        request = pb.ProposeRequest(step=self._step_no)
+        for p in drafting:
+            seq = p.seq
+            if seq.draft_resync:  # the server restarted or failed: release and start it afresh
+                if seq.draft_holds:
+                    sched.release_draft.add(seq.seq_id)
+                seq.restart_draft()
+                seq.draft_resync = seq.draft_holds = False
+            request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep,
+                             new_tokens=pack_tokens(seq.draft_pending), num_draft=p.num_draft,
+                             sampling=sampling_pb(seq))
+            seq.draft_holds = True  # from here on the draft may hold it, whatever happens
+        request.release.extend(sorted(sched.release_draft))
+        sched.release_draft.clear()
+        try:
+            response = await self.draft.step(request, timeout=self.config.draft_timeout_s)
+        except Exception as e:  # whatever the draft does wrong, the step goes on without it
+            sched.release_draft.update(request.release)
+            self.set_draft_down(_describe(e))
+            for p in drafting:
+                p.num_draft = 0
+            return None
+        if len(response.results) != len(drafting):
+            self.set_draft_down(f"{len(response.results)} results for {len(drafting)} sequences")
+            for p in drafting:
+                p.num_draft = 0
+            return None
+        for p, r in zip(drafting, response.results):
+            tokens = unpack_tokens(r.tokens)
+            if r.HasField("error") or len(tokens) != p.num_draft:
+                # This sequence goes on without the draft; the rest of the batch is unaffected.
+                log.warning("draft failed for sequence %d: %s", p.seq.seq_id,
+                            r.error.message or f"{len(tokens)} tokens for num_draft {p.num_draft}")
+                p.seq.use_draft = False
+                sched.release_draft.add(p.seq.seq_id)
+                p.seq.draft_holds = False
+                p.num_draft = 0
+                continue
+            p.drafts = tokens
+            p.probs = r.probs if r.HasField("probs") else None
+        return response.timing
+
+    def _apply(self, p: Plan, r: pb.VerifyResult) -> None:
+        seq = p.seq
+        if seq.done or seq.cancelled:  # cancelled while the step was in flight: retired next boundary
+            return
+        if r.HasField("error") and r.error.code:
+            self._abort(seq, _status(r.error.code), f"target: {r.error.message}")
+            return
+        if p.partial:
+            seq.target_pending = seq.target_pending[len(p.target_new):]
+            return
+        if not 0 <= r.accepted <= len(p.drafts) or not 0 <= r.next_token < self.vocab_size:
+            self._abort(seq, grpc.StatusCode.INTERNAL,
+                        f"target returned accepted={r.accepted} next_token={r.next_token} "
+                        f"for {len(p.drafts)} drafts")
+            return
+        tokens = p.drafts[:r.accepted] + [r.next_token]
+        seq.target_pending = [r.next_token]
+        if seq.use_draft:
+            seq.draft_update(p.num_draft, r.accepted, r.next_token)
+        seq.steps += 1
+        seq.drafted += p.num_draft
+        seq.accepted += r.accepted
+        chunk = seq.emit(tokens)
+        self.stats.record_sequence(p.num_draft, r.accepted, len(chunk.token_ids))
+        if chunk.finish is not None:
+            self.scheduler.retire(seq)  # leaves the batch before the client sees the end
+            self.stats.requests_finished += 1
+        seq.queue.put_nowait(chunk)
+
+    # --- failures and releases ---------------------------------------------------------------
+    def _abort(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
+        self.scheduler.retire(seq)
+        self.stats.requests_failed += 1
+        seq.queue.put_nowait(Abort(code.value[0], message))
+
+    def _abort_all(self, seqs: list[Sequence], code: grpc.StatusCode, message: str) -> None:
+        for seq in seqs:
+            if not seq.done:
+                self._abort(seq, code, message)
+
+    async def _release_now(self) -> None:
+        """Idle: free finished sequences with Release calls instead of waiting for a next step."""
+        sched = self.scheduler
+        if sched.release_draft and not self.draft_up:
+            # Kept until the draft is back (it may only have been slow, not restarted).
+            self._draft_orphans |= sched.release_draft
+            sched.release_draft.clear()
+        for server, ids in ((self.target, sched.release_target), (self.draft, sched.release_draft)):
+            if not ids:
+                continue
+            batch = set(ids)
+            ids.clear()
+            try:
+                await server.release(batch)
+            except grpc.aio.AioRpcError as e:
+                log.warning("release on the %s server failed: %s", server.role, _describe(e))
+
+
+def _status(code: int) -> grpc.StatusCode:
+    return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return str(e) or type(e).__name__

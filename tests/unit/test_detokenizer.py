@@ -1,0 +1,126 @@
+"""Incremental detokenization and stop strings of the coordinator (tokenizers only, no models)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.sequence import Finish, GenParams, Sampling, Sequence
+from coordinator.stops import StopStrings
+from coordinator.tokenizer import IncrementalDetokenizer, TextTokenizer
+from tests.helpers.tiny_models import _tokenizer_json
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld — naïve café", "emoji 😀🚀 and 漢字 mixed in",
+         "    indented\n\n\ttabs", "ünïcödé 👩‍👩‍👧 family"]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> TextTokenizer:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(_tokenizer_json(320))
+    return TextTokenizer(path)
+
+
+def stream(tok, prompt_ids, ids):
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    deltas = [detok.push(i) for i in ids]
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_full_decode(tok, text):
+    ids = tok.encode(text)
+    prompt = tok.encode("prompt: ")
+    deltas = stream(tok, prompt, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas), deltas
+
+
+def test_multibyte_character_is_held_until_complete(tok):
+    ids = tok.encode("😀")
+    assert len(ids) > 1  # byte-level BPE splits the emoji into byte tokens
+    deltas = stream(tok, [], ids)
+    assert deltas[:len(ids) - 1] == [""] * (len(ids) - 1)
+    assert deltas[len(ids) - 1] == "😀"
+
+
+def test_invalid_bytes_do_not_stall_the_stream(tok):
+    lone = tok.encode("😀")[:1]  # a lead byte that never completes
+    ids = lone + tok.encode("abcdefghij")
+    assert "".join(stream(tok, [], ids)) == tok.decode(ids)
+
+
+def test_unknown_and_special_ids_decode_to_nothing(tok):
+    ids = tok.encode("ab") + [0] + tok.encode("cd")  # 0 is <|endoftext|>, a special token
+    assert "".join(stream(tok, [], ids)) == "abcd"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stop_strings_across_random_splits(seed):
+    rng = random.Random(seed)
+    text = "alpha beta STOP gamma"
+    cuts = sorted(rng.sample(range(1, len(text)), 6))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    stops = StopStrings(["STOP", "zzz"])
+    out, matched = [], False
+    for piece in pieces:
+        emitted, matched = stops.feed(piece)
+        out.append(emitted)
+        assert "S" not in emitted or "STOP"[:len(emitted)] not in emitted
+        if matched:
+            break
+    assert matched and "".join(out) == "alpha beta "
+
+
+def test_stop_string_holdback_released_when_not_matching():
+    stops = StopStrings(["</end>"])
+    assert stops.feed("a </e") == ("a ", False)
+    assert stops.feed("x") == ("</ex", False)
+    assert stops.feed("</") == ("", False)
+    assert stops.flush() == "</"
+
+
+def test_earliest_stop_string_wins():
+    stops = StopStrings(["world", "lo w"])
+    assert stops.feed("hello world") == ("hel", True)
+
+
+def make_seq(tok, text="x = ", **kw) -> Sequence:
+    params = dict(request_id="r", prompt_ids=tuple(tok.encode(text)), max_new_tokens=50, sampling=Sampling())
+    params.update(kw)
+    return Sequence(seq_id=1, params=GenParams(**params), max_len=512, tokenizer=tok)
+
+
+def test_emit_trims_after_stop_token_and_keeps_it(tok):
+    seq = make_seq(tok, stop_token_ids=frozenset({tok.encode("b")[0]}))
+    ids = tok.encode("aab") + tok.encode("cc")
+    chunk = seq.emit(ids)
+    assert chunk.finish == Finish.STOP
+    assert chunk.token_ids == tok.encode("aab") and chunk.text == "aab"
+    assert seq.output == tok.encode("aab")
+
+
+def test_emit_eos_length_and_stop_string(tok):
+    seq = make_seq(tok, eos_token_ids=frozenset({0}))
+    chunk = seq.emit(tok.encode("hi") + [0] + tok.encode("more"))
+    assert (chunk.finish, chunk.text, chunk.token_ids[-1]) == (Finish.EOS, "hi", 0)
+
+    seq = make_seq(tok, max_new_tokens=3)
+    ids = tok.encode("abcdefgh")
+    assert seq.emit(ids[:2]).finish is None
+    chunk = seq.emit(ids[2:])
+    assert chunk.finish == Finish.LENGTH and len(seq.output) == 3
+
+    seq = make_seq(tok, stop=("END",))
+    first = seq.emit(tok.encode("one EN"))
+    assert first.finish is None and first.text == "one "
+    second = seq.emit(tok.encode("D two"))
+    assert second.finish == Finish.STOP and second.text == ""
+
+
+def test_emit_model_length_limit(tok):
+    seq = make_seq(tok, text="ab", max_new_tokens=100)
+    seq.max_len = len(seq.params.prompt_ids) + 2
+    assert seq.emit(tok.encode("abcdef")).finish == Finish.LENGTH
+    assert len(seq.output) == 2
