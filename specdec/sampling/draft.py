@@ -1,0 +1,22 @@
+"""Draft-side sampling: the token and the exact (transport-rounded) distribution it was drawn from."""
+from __future__ import annotations
+
+import torch
+
+from specdec.sampling.probs import SamplingTensors, logits_to_probs
+from specdec.sampling.rng import DRAFT, uniform
+from specdec.sampling.transport import round_probs, sample_from
+
+
+def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor,
+                 transport_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V], positions [B] int64 (absolute position of the token being drafted)
+    -> (tokens [B] int64, q [B, V] float32 weights).
+
+    q is rounded to the transport dtype BEFORE sampling, so the token is drawn from exactly the
+    weights the target will decode (see transport.py); send q with encode_probs(q, transport_dtype).
+    Greedy rows give their argmax with a one-hot q (which the target does not need).
+    """
+    q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
+    u = uniform(tensors.seeds, positions.to(tensors.seeds.device), DRAFT)
+    return sample_from(q, u), q

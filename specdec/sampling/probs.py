@@ -1,0 +1,109 @@
+"""Batched logits -> probabilities with per-row temperature, top-k, top-p and min-p.
+
+Greedy rows become one-hot at the argmax. That makes greedy the zero-temperature case of the same
+arithmetic everywhere: a greedy draft proposes the argmax with q = 1, a greedy target (p one-hot)
+accepts exactly when its argmax matches and its residual max(p - q, 0) is its own argmax.
+
+Order of the filters is Hugging Face's: temperature, top-k, top-p, min-p. Ties at the k-th logit
+are all kept. Which filters run is decided on the host from the params (no data-dependent branches).
+"""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.rng import seed_to_int64
+from specdec.sampling.transport import (  # noqa: F401  (the transport API is reached from here too)
+    EncodedProbs, ProbsDecodeError, decode_probs, encode_probs, normalize, round_probs, sample_from)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters on a device. Rows are sequences, or flat verify rows after expand."""
+    temperature: torch.Tensor  # [R] float32 (1 on greedy rows, never used there)
+    top_k: torch.Tensor        # [R] int64, 0 = off
+    top_p: torch.Tensor        # [R] float32, 1 = off
+    min_p: torch.Tensor        # [R] float32, 0 = off
+    greedy: torch.Tensor       # [R] bool
+    seeds: torch.Tensor        # [R] int64 (uint64 bits)
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu",
+                    seeds: Sequence[int] | None = None) -> "SamplingTensors":
+        """seeds overrides params' seeds. A row with neither gets a fresh random seed on every call:
+        still lossless (fresh randomness always is) but not reproducible, and never a seed shared
+        by all unseeded requests. Resolve seeds once per request (params.resolve_seed) instead."""
+        if seeds is None:
+            seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
+        if len(seeds) != len(params):
+            raise ValueError(f"seeds: {len(seeds)} for {len(params)} rows")
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=t([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
+            top_k=t([p.top_k for p in params], torch.int64),
+            top_p=t([p.top_p for p in params], torch.float32),
+            min_p=t([p.min_p for p in params], torch.float32),
+            greedy=t([p.greedy for p in params], torch.bool),
+            seeds=t([seed_to_int64(s) for s in seeds], torch.int64),
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+            any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
+            any_min_p=any(p.min_p > 0 and not p.greedy for p in params),
+        )
+
+    def __len__(self) -> int:
+        return self.greedy.shape[0]
+
+    def index(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The rows at `rows` (a device int64 index, repeats allowed); host flags are kept (a
+        superset is harmless: a filter that is off on a row leaves it unchanged)."""
+        return SamplingTensors(
+            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+            self.greedy[rows], self.seeds[rows],
+            self.all_greedy, self.any_top_k, self.any_top_p, self.any_min_p)
+
+    def repeat(self, counts: Sequence[int]) -> "SamplingTensors":
+        """Row b repeated counts[b] times (host counts): per-sequence params -> flat verify rows."""
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+        return self.index(rows.to(self.greedy.device, non_blocking=True))
+
+
+def logits_to_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [R, V] -> float32 probabilities [R, V]; greedy rows one-hot at the argmax."""
+    logits = logits.float()
+    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    if t.all_greedy:
+        return one_hot
+    x = logits / t.temperature[:, None]
+    v = x.shape[-1]
+    if t.any_top_k or t.any_top_p:
+        sorted_x, order = x.sort(-1, descending=True)                    # [R, V]
+        if t.any_top_k:
+            k = torch.where(t.top_k > 0, t.top_k, v).clamp(max=v)
+            kth = sorted_x.gather(1, (k - 1)[:, None])                   # [R, 1]
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+            x = x.masked_fill(x < kth, float("-inf"))
+        if t.any_top_p:
+            ps = sorted_x.softmax(-1)
+            # Drop a token when the tokens before it already reach top_p; the first always stays.
+            drop = (ps.cumsum(-1) - ps) >= t.top_p[:, None]
+            drop[:, 0] = False
+            drop &= (t.top_p < 1)[:, None]  # top_p = 1 must not drop a float-rounding tail
+            x = x.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    probs = x.softmax(-1)
+    if t.any_min_p:
+        floor = t.min_p[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return torch.where(t.greedy[:, None], one_hot, probs)

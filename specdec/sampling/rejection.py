@@ -1,0 +1,141 @@
+"""Lossless speculative sampling on the target (Leviathan et al. 2023; Chen et al. 2023), batched.
+
+For each sequence independently: draft token i (drawn from q_i) is accepted with probability
+min(1, p_i(x) / q_i(x)); at the first rejection the output is drawn from norm(max(p_i - q_i, 0));
+when all k are accepted a bonus token is drawn from p_{k+1}. The output then has exactly the target's
+distribution. Sequences may carry different k, 0 included (that is plain decoding from p).
+
+Greedy needs no special path: greedy rows of p (and a greedy draft's q) are one-hot, so the same
+arithmetic accepts while the target's argmax matches and then emits the target's argmax.
+draft_probs=None means the drafts were chosen deterministically (q one-hot at the drafted token),
+which is exact for a greedy draft whatever the target samples.
+
+Everything after the host-built index layout is tensor ops on the device: no .item(), no syncs, the
+same code on CPU and CUDA. The caller copies the result to the host once (SpecOutput.to_host).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling.probs import SamplingTensors, logits_to_probs
+from specdec.sampling.rng import ACCEPT, RESAMPLE, uniform
+from specdec.sampling.transport import normalize, sample_from
+
+
+@dataclass(frozen=True)
+class HostSpecOutput:
+    accepted: list[int]
+    num_emitted: list[int]
+    tokens: list[list[int]]  # per sequence: accepted drafts, then the correction or bonus token
+
+
+@dataclass(frozen=True)
+class SpecOutput:
+    accepted: torch.Tensor     # [B] int64, drafts accepted
+    tokens: torch.Tensor       # [B, max_k+1] int64: accepted drafts, then correction/bonus; -1 after
+    num_emitted: torch.Tensor  # [B] int64, accepted + 1
+
+    def to_host(self) -> HostSpecOutput:
+        """One device-to-host copy of everything."""
+        packed = torch.cat([self.accepted[:, None], self.num_emitted[:, None], self.tokens], 1).cpu()
+        rows = packed.tolist()
+        return HostSpecOutput([r[0] for r in rows], [r[1] for r in rows], [r[2:2 + r[1]] for r in rows])
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) per row [R, V]. A row where it vanishes (p <= q everywhere, i.e. p == q up
+    to rounding, where a rejection has probability ~0) falls back to p."""
+    r = (p - q).clamp(min=0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None, num_draft: Sequence[int] | torch.Tensor,
+                     tensors: SamplingTensors, positions: torch.Tensor | Sequence[int]) -> SpecOutput:
+    """target_logits [sum(k_b + 1), V]: per sequence, rows for its k_b drafts then the bonus row;
+    draft_tokens [sum k_b]; draft_probs [sum k_b, V] rounded weights (decode_probs / draft_sample)
+    or None; num_draft [B] on the host; tensors: per-sequence params [B]; positions [B]: absolute
+    position of each sequence's first draft token (its current length)."""
+    counts = _host_counts(num_draft)
+    p = logits_to_probs(target_logits, tensors.repeat([k + 1 for k in counts]))
+    return rejection_sample_probs(p, draft_tokens, draft_probs, counts, tensors.seeds, positions)
+
+
+def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                           draft_probs: torch.Tensor | None, num_draft: Sequence[int] | torch.Tensor,
+                           seeds: torch.Tensor, positions: torch.Tensor | Sequence[int]) -> SpecOutput:
+    """As rejection_sample, from target probabilities [sum(k_b + 1), V] and seeds [B] int64."""
+    counts = _host_counts(num_draft)
+    dev = target_probs.device
+    n, v = target_probs.shape
+    b, m, kmax = len(counts), draft_tokens.shape[0], max(counts, default=0)
+    if n != sum(counts) + b or m != sum(counts):
+        raise ValueError(f"num_draft {counts} needs {sum(counts) + b} target rows and {sum(counts)} "
+                         f"draft tokens, got {n} and {m}")
+    if draft_probs is not None and draft_probs.shape != (m, v):
+        raise ValueError(f"draft_probs: shape {tuple(draft_probs.shape)}, expected {(m, v)}")
+    positions = torch.as_tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+
+    # Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts.
+    k = torch.tensor(counts, dtype=torch.int64)
+    p_start, q_start = torch.cumsum(k + 1, 0) - (k + 1), torch.cumsum(k, 0) - k
+    j = torch.arange(kmax + 1)[None, :]
+    p_rows = p_start[:, None] + torch.minimum(j, k[:, None])
+    q_rows = (q_start[:, None] + j).clamp(0, max(m - 1, 0))
+    layout = torch.cat([k[:, None], p_start[:, None], q_start[:, None], p_rows, q_rows], 1)
+    layout = layout.to(dev, non_blocking=True)
+    k, p_start, q_start = layout[:, 0], layout[:, 1], layout[:, 2]
+    p_rows, q_rows = layout[:, 3:kmax + 4], layout[:, kmax + 4:]
+    j = j.to(dev)
+    is_draft = j < k[:, None]                                                   # [B, kmax+1]
+
+    x = draft_tokens.to(dev)[q_rows] if m else torch.zeros_like(p_rows)       # [B, kmax+1]
+    p_x = target_probs[p_rows, x].double()
+    if draft_probs is None or not m:
+        q_x = torch.ones_like(p_x)
+    else:
+        w = draft_probs.double()
+        # Same float32 values as normalize(w) produces row-wise: the p == q case accepts surely.
+        q_x = (w[q_rows, x] / w.sum(-1)[q_rows]).float().double()
+    u = uniform(seeds[:, None].expand(b, kmax + 1), positions[:, None] + j, ACCEPT)
+    ok = is_draft & (q_x > 0) & (u * q_x < p_x)   # a token the draft gave q = 0 is never accepted
+    accepted = ok.long().cumprod(1).sum(1)                                       # [B]
+
+    p_final = target_probs[p_start + accepted]                                   # [B, V]
+    if m:
+        q_row = (q_start + accepted).clamp(max=m - 1)
+        if draft_probs is None:
+            q_final = torch.zeros_like(p_final).scatter_(1, draft_tokens.to(dev)[q_row, None], 1.0)
+        else:
+            q_final = normalize(draft_probs[q_row])
+        dist = torch.where((accepted < k)[:, None], residual_probs(p_final, q_final), p_final)
+    else:
+        dist = p_final
+    nxt = sample_from(dist, uniform(seeds, positions + accepted, RESAMPLE))
+
+    tokens = torch.where(j < accepted[:, None], x, -1)
+    tokens = tokens.scatter(1, accepted[:, None], nxt[:, None])
+    return SpecOutput(accepted=accepted, tokens=tokens, num_emitted=accepted + 1)
+
+
+def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft rows for deterministically chosen tokens [M] -> [M, V]: fill the rows of greedy
+    sequences with these when other sequences of the batch send real draft probabilities."""
+    rows = torch.zeros(tokens.shape[0], vocab_size, device=tokens.device)
+    return rows.scatter_(1, tokens.long()[:, None], 1.0)
+
+
+def _host_counts(num_draft: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(num_draft, torch.Tensor):
+        if num_draft.device.type != "cpu":
+            raise ValueError("num_draft: pass host counts (a list or CPU tensor); reading a device "
+                             "tensor here would synchronise")
+        num_draft = num_draft.tolist()
+    counts = [int(c) for c in num_draft]
+    if any(c < 0 for c in counts):
+        raise ValueError(f"num_draft: counts must be >= 0, got {counts}")
+    return counts

@@ -1,0 +1,73 @@
+"""Counter-based random numbers: u = hash(seed, position, purpose), with integer tensor ops.
+
+Every uniform a sequence consumes is a pure function of its request seed, the absolute position of
+the token being decided (prompt included) and what the number is for. So:
+- a seeded request gives the same tokens whatever else shares its batch, and on CPU or CUDA;
+- there is no generator state per row to carry between steps or servers, and no host sync;
+- draft and target may live in different processes and still draw from disjoint streams
+  (different `purpose`) of the same seed.
+
+Reusing a (position, purpose) pair after a rejection is safe: a number drawn for position t only
+ever influences the token at t, and once a step commits the token at t that position is never
+decided again. A drafted token at t+1 discarded by a rejection at t leaves u(t+1, DRAFT) unobserved,
+so re-drafting t+1 with the same number in the next step is still an independent draw.
+
+The hash is SplitMix64 (Steele et al. 2014): state = mix(seed + golden), output i = mix(state +
+i * golden) with i = 4 * position + purpose. int64 multiplication wraps modulo 2**64 on CPU and CUDA,
+which is what the mixer needs; logical right shifts are emulated with a mask.
+"""
+from __future__ import annotations
+
+import torch
+
+DRAFT = 0      # the draft's sample of its token at this position
+ACCEPT = 1     # the target's accept test of the drafted token at this position
+RESAMPLE = 2   # the target's correction (residual) or bonus sample at this position
+NUM_PURPOSES = 4
+
+
+def _signed(x: int) -> int:
+    return x - 2**64 if x >= 2**63 else x
+
+
+GOLDEN = _signed(0x9E3779B97F4A7C15)
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def seed_to_int64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits (tensors are signed)."""
+    return _signed(seed % 2**64)
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:
+    """seeds, positions: [R] int64 (same device) -> [R] float64 uniforms in [0, 1), 53 bits."""
+    state = _mix(seeds + GOLDEN)
+    z = _mix(state + (positions * NUM_PURPOSES + purpose) * GOLDEN)
+    return _shr(z, 11).to(torch.float64) * (2.0 ** -53)
+
+
+def uniform_reference(seed: int, position: int, purpose: int) -> float:
+    """Pure-Python reference of `uniform` (arbitrary-precision ints), for tests."""
+    mask = 2**64 - 1
+
+    def mix(z: int) -> int:
+        z &= mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    state = mix(seed + 0x9E3779B97F4A7C15)
+    z = mix(state + (position * NUM_PURPOSES + purpose) * 0x9E3779B97F4A7C15)
+    return (z >> 11) * 2.0 ** -53
