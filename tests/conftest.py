@@ -11,6 +11,9 @@ except ImportError:  # pragma: no cover
     _HAS_CUDA = False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Tiny models on a 2-core machine that also runs server subprocesses: one intra-op thread is
+    # many times faster than torch's default (threads spin and contend between small forwards).
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
