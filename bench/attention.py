@@ -1,0 +1,285 @@
+"""Paged attention on the GPU against torch SDPA over contiguous K/V and against the HBM floor.
+
+    python3 bench/attention.py            # checks, full sweep, bounded tuning sweep
+    python3 bench/attention.py --quick    # checks, reduced sweep, no tuning
+
+Floor = KV bytes the call must read / copy bandwidth measured in the same run (a device-to-device
+copy of COPY_BYTES; bandwidth counts its read and write bytes). Writes bench/results/attention.json
+(and $OUT/attention.json when OUT is set) after every case group, prints the table, and exits 1
+when a correctness check or a case fails (a missed performance goal is reported, not an error).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # a script: make `specdec` importable from any working directory
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error  # noqa: E402
+from specdec.kernels.triton_attention import launch_plan, paged_attention  # noqa: E402
+
+SHAPES = {"llama7b_32x128": (32, 32, 128), "gqa_32q_8kv_x128": (32, 8, 128)}
+BATCHES, CONTEXTS, QUERY_LENS = (1, 8, 32, 64), (512, 2048, 8192), (1, 4, 8, 16)
+QUICK = ((1, 64), (512, 8192), (1, 8))  # --quick: batches, contexts, query lens
+LATENCY_CASE = (1, 1024, 8)            # batch, context, query len: goal <= 15 us
+LATENCY_GOAL_MS = 0.015
+FLOOR_GOAL, FLOOR_GOAL_BYTES = 0.8, 64 * 2**20
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 16
+COPY_BYTES = 2 * 2**30
+DEVICE = "cuda"
+CHECK_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TUNE_CASES = [("llama7b_32x128", 1, 8192, 1), ("llama7b_32x128", 8, 2048, 8),
+              ("llama7b_32x128", 64, 2048, 1), ("gqa_32q_8kv_x128", 8, 2048, 16),
+              ("gqa_32q_8kv_x128", 1, 8192, 4), ("llama7b_32x128", 1, 1024, 8)]
+TUNE_CONFIGS = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
+                for n in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 3))]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def environment() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    return {"device": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version()}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, read + write counted."""
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * COPY_BYTES / (ms * 1e-3)
+
+
+def correctness_checks() -> list[dict]:
+    """The kernel against the float64 oracle, output poisoned, on ragged batches of both shapes."""
+    results = []
+    batches = [([1, 1, 1, 1], [1, 17, 1000, 8192]), ([5, 8, 16, 1], [5, 77, 2049, 300]),
+               ([200, 1, 33], [450, 4000, 33])]
+    for dtype in (torch.float16, torch.bfloat16):
+        for shape, (h, hkv, d) in SHAPES.items():
+            for i, (qls, ctxs) in enumerate(batches):
+                batch = random_paged_batch(qls, ctxs, h, hkv, d, BLOCK_SIZE, dtype, DEVICE, seed=i)
+                ref = reference_f64(batch, d ** -0.5)
+                for splits in (None, 1, 5):
+                    out = torch.full_like(batch.q, float("nan"))
+                    paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                    batch.context_lens, batch.query_start_loc, batch.max_query_len,
+                                    d ** -0.5, max_context_len=batch.max_context_len,
+                                    num_splits=splits, out=out)
+                    err = rel_error(out, ref)
+                    ok = err < CHECK_TOL[dtype]   # NaN compares False
+                    results.append({"dtype": str(dtype), "shape": shape, "query_lens": qls,
+                                    "context_lens": ctxs, "num_splits": splits, "rel_err": err, "ok": ok})
+                    log(f"check {'PASS' if ok else 'FAIL'} {dtype} {shape} q={qls} ctx={ctxs} "
+                        f"splits={splits} rel_err={err:.2e}")
+    return results
+
+
+def sdpa_runner(q4, k4, v4, ql, ctx, scale, gqa):
+    """(fn, variant): SDPA with the paged kernel's causal semantics (query i of ql sees keys up to
+    ctx - ql + i, i.e. lower-right aligned); falls back to a materialised mask if needed."""
+    from torch.nn.attention.bias import causal_lower_right
+    variants = []
+    if ql == 1:
+        variants.append(("no_mask", None))
+    else:
+        variants.append(("causal_lower_right", causal_lower_right(ql, ctx)))
+        pos = torch.arange(ctx - ql, ctx, device=DEVICE)
+        variants.append(("bool_mask", torch.arange(ctx, device=DEVICE)[None, :] <= pos[:, None]))
+    errors = []
+    for name, mask in variants:
+        def fn(mask=mask):
+            return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            return fn, name
+        except Exception as e:  # noqa: BLE001 - try the next variant, report all if none works
+            errors.append(f"{name}: {e!r}")
+    raise RuntimeError("SDPA failed: " + "; ".join(errors))
+
+
+def bench_group(shape: str, b: int, ctx: int, qls, bw: float, tune: bool, deadline: float) -> list[dict]:
+    h, hkv, d = SHAPES[shape]
+    scale = d ** -0.5
+    base = random_paged_batch([1] * b, [ctx] * b, h, hkv, d, BLOCK_SIZE, DTYPE, DEVICE, seed=b + ctx,
+                              poison=False)
+    nblk = -(-ctx // BLOCK_SIZE)
+    k4, v4 = (c[base.block_tables[:, :nblk].long()].reshape(b, nblk * BLOCK_SIZE, hkv, d)[:, :ctx]
+              .transpose(1, 2).contiguous() for c in (base.k_cache, base.v_cache))   # [B, Hkv, ctx, D]
+    kv_bytes = 2 * b * ctx * hkv * d * base.k_cache.element_size()
+    rows = []
+    for ql in qls:
+        row = {"shape": shape, "heads": h, "kv_heads": hkv, "head_dim": d, "batch": b, "context": ctx,
+               "query_len": ql, "dtype": str(DTYPE), "block_size": BLOCK_SIZE, "kv_bytes": kv_bytes}
+        try:
+            q = torch.randn(b * ql, h, d, device=DEVICE, dtype=DTYPE)
+            qsl = (torch.arange(b + 1, device=DEVICE, dtype=torch.int32) * ql)
+            out = torch.full_like(q, float("nan"))
+            plan = launch_plan(b, h, hkv, d, ql, ctx, q.device)
+
+            def ours(cfg=None, splits=None):
+                return paged_attention(q, base.k_cache, base.v_cache, base.block_tables,
+                                       base.context_lens, qsl, ql, scale, max_context_len=ctx,
+                                       out=out, num_splits=splits, config=cfg)
+
+            ours()
+            q4 = q.view(b, ql, h, d).transpose(1, 2).contiguous()                 # [B, H, ql, D]
+            sdpa, variant = sdpa_runner(q4, k4, v4, ql, ctx, scale, h != hkv)
+            ref = sdpa().transpose(1, 2).reshape(b * ql, h, d)
+            row["check_vs_sdpa_rel_err"] = rel_error(out, ref)
+            row["check_ok"] = row["check_vs_sdpa_rel_err"] < 2 * CHECK_TOL[DTYPE]
+            row["ms"] = do_bench(ours, return_mode="median")
+            row["sdpa_ms"] = do_bench(sdpa, return_mode="median")
+            row["sdpa_variant"] = variant
+            row["floor_ms"] = kv_bytes / bw * 1e3
+            row["frac_of_floor"] = row["floor_ms"] / row["ms"]
+            row["vs_sdpa"] = row["sdpa_ms"] / row["ms"]
+            row["plan"] = {k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                                                "num_splits")}
+            if tune and (shape, b, ctx, ql) in TUNE_CASES and time.time() < deadline:
+                row["tuning"] = tune_case(ours, plan["num_splits"], deadline)
+        except Exception as e:  # noqa: BLE001 - one failed case must not hide the others
+            row["error"] = repr(e)
+            log(traceback.format_exc())
+        rows.append(row)
+        log(fmt_row(row))
+    return rows
+
+
+def tune_case(ours, splits0: int, deadline: float) -> list[dict]:
+    """Times the other tile configs and split counts: data for the next heuristic, not the result."""
+    results = []
+    for cfg in TUNE_CONFIGS:
+        for splits in sorted({1, max(1, splits0 // 2), splits0, min(64, 2 * splits0), min(64, 4 * splits0)}):
+            if time.time() > deadline:
+                return results
+            try:
+                ours(cfg, splits)
+                ms = do_bench(lambda: ours(cfg, splits), warmup=5, rep=25, return_mode="median")
+                results.append({**cfg, "num_splits": splits, "ms": ms})
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this config
+                results.append({**cfg, "num_splits": splits, "error": repr(e)[:200]})
+    return results
+
+
+HEADER = (f"{'shape':<18}{'B':>4}{'ctx':>6}{'q':>4}{'KV MB':>9}{'ms':>9}{'sdpa ms':>9}{'floor':>8}"
+          f"{'%floor':>8}{'xSDPA':>7}{'splits':>7}  notes")
+
+
+def fmt_row(r: dict) -> str:
+    head = f"{r['shape']:<18}{r['batch']:>4}{r['context']:>6}{r['query_len']:>4}{r['kv_bytes'] / 1e6:>9.1f}"
+    if "error" in r:
+        return head + f"  ERROR {r['error'][:80]}"
+    notes = []
+    if r["kv_bytes"] >= FLOOR_GOAL_BYTES and r["frac_of_floor"] < FLOOR_GOAL:
+        notes.append("<80% floor")
+    if r["ms"] > r["sdpa_ms"]:
+        notes.append("slower than SDPA")
+    if not r["check_ok"]:
+        notes.append(f"MISMATCH vs SDPA {r['check_vs_sdpa_rel_err']:.1e}")
+    if "tuning" in r:
+        ok = [t for t in r["tuning"] if "ms" in t]
+        if ok:
+            best = min(ok, key=lambda t: t["ms"])
+            notes.append(f"best tuned {best['ms']:.4f} ms {best}")
+    return head + (f"{r['ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
+                   f"{100 * r['frac_of_floor']:>7.1f}%{r['vs_sdpa']:>7.2f}{r['plan']['num_splits']:>7}  "
+                   + "; ".join(notes))
+
+
+def goals(rows: list[dict]) -> dict:
+    good = [r for r in rows if "error" not in r]
+    big = [r for r in good if r["kv_bytes"] >= FLOOR_GOAL_BYTES]
+    lat = [r for r in good if (r["batch"], r["context"], r["query_len"]) == LATENCY_CASE]
+    return {
+        "floor_80pct_where_kv_ge_64MiB": {"met": sum(r["frac_of_floor"] >= FLOOR_GOAL for r in big),
+                                          "of": len(big)},
+        "not_slower_than_sdpa": {"met": sum(r["ms"] <= r["sdpa_ms"] for r in good), "of": len(good)},
+        "misses": [f"{r['shape']} B={r['batch']} ctx={r['context']} q={r['query_len']}: "
+                   f"{100 * r['frac_of_floor']:.0f}% of floor, {r['vs_sdpa']:.2f}x SDPA" for r in good
+                   if r["ms"] > r["sdpa_ms"]
+                   or (r["kv_bytes"] >= FLOOR_GOAL_BYTES and r["frac_of_floor"] < FLOOR_GOAL)],
+        "latency_b1_ctx1024_q8_le_15us": {r["shape"]: round(r["ms"] * 1e3, 2) for r in lat},
+        "errors": len(rows) - len(good),
+        "mismatches_vs_sdpa": sum(not r["check_ok"] for r in good),
+    }
+
+
+def write(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "attention.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="reduced sweep, no tuning")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--tune-seconds", type=float, default=150.0, help="time budget of the tuning sweep")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        log("ERROR: bench/attention.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+        return 2
+    if os.environ.get("TRITON_INTERPRET"):
+        log("ERROR: TRITON_INTERPRET is set; unset it to benchmark the compiled kernels")
+        return 2
+    result = {"environment": environment(), "dtype": str(DTYPE), "block_size": BLOCK_SIZE}
+    log(json.dumps(result["environment"]))
+    t0 = time.time()
+    result["checks"] = [] if args.skip_checks else correctness_checks()
+    failed_checks = sum(not c["ok"] for c in result["checks"])
+    log(f"correctness: {len(result['checks']) - failed_checks}/{len(result['checks'])} checks pass "
+        f"({time.time() - t0:.0f}s)")
+    bw = copy_bandwidth()
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    batches, contexts, qls = QUICK if args.quick else (BATCHES, CONTEXTS, QUERY_LENS)
+    tune_deadline = None  # the tuning budget starts with the first tuned case
+    rows = result["rows"] = []
+    log(HEADER)
+    for shape in SHAPES:
+        groups = [(b, ctx, qls) for b in batches for ctx in contexts]
+        groups.append((LATENCY_CASE[0], LATENCY_CASE[1], (LATENCY_CASE[2],)))
+        for b, ctx, group_qls in groups:
+            tune = not args.quick and any(c[:3] == (shape, b, ctx) for c in TUNE_CASES)
+            if tune and tune_deadline is None:
+                tune_deadline = time.time() + args.tune_seconds
+            rows += bench_group(shape, b, ctx, group_qls, bw, tune, tune_deadline or 0.0)
+            torch.cuda.empty_cache()
+            result["goals"] = goals(rows)
+            write(result, args.out)
+    result["goals"] = goals(rows)
+    result["wall_s"] = time.time() - t0
+    write(result, args.out)
+    log(json.dumps(result["goals"], indent=1))
+    log(f"wrote {args.out}" + (f" and {os.environ['OUT']}/attention.json" if os.environ.get("OUT") else ""))
+    bad = failed_checks + result["goals"]["errors"] + result["goals"]["mismatches_vs_sdpa"]
+    if bad:
+        log(f"FAILED: {failed_checks} correctness checks, {result['goals']['errors']} case errors, "
+            f"{result['goals']['mismatches_vs_sdpa']} mismatches vs SDPA")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

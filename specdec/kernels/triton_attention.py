@@ -1,0 +1,323 @@
+"""Triton paged attention over a flat varlen batch (decode, k+1 verification, prefill chunks) and the
+KV-store kernel that writes new K/V into their paged slots. The GPU path of the runner; the torch
+reference in reference.py is the CPU path and the oracle.
+
+Design (notes/attention.md has the numbers):
+- One program owns (sequence, KV head, query tile, KV split). Its BLOCK_M rows are the query tile's
+  tokens x the G = H / Hkv query heads sharing that KV head, so each K/V tile is read once per
+  group of heads and tokens: decode and verification are reads of the KV cache and little else.
+- Keys that every row of the tile may see are streamed without masks; only the tail that the causal
+  mask cuts (the tile's own new tokens) runs the masked loop.
+- Split-KV (flash-decoding): when batch x KV heads x query tiles cannot fill the GPU, each program
+  covers 1/S of the keys and writes an unnormalised partial (o, log-sum-exp); a second kernel merges
+  them. The grid depends only on (batch, KV heads, max query len, S), all host values a CUDA-graph
+  bucket fixes; nothing in here reads device memory on the host.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = 256   # below this a split's reads no longer pay for its partial write + merge
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len, pos, scale_log2,
+                 stride_kb, stride_ks, stride_vb, stride_vs,
+                 PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    keys = start + offs_n
+    if MASKED:
+        page = tl.load(bt_row + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + keys // PAGE).to(tl.int64)
+    slot = keys % PAGE
+    k_ptrs = K + kv_off_k + page[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+    v_ptrs = V + kv_off_v + page[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
+    if MASKED:
+        # Padded keys past kv_len must read as 0, not whatever the (page 0) slot holds: 0 * NaN = NaN.
+        k = tl.load(k_ptrs, mask=(keys[None, :] < kv_len) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        v = tl.load(v_ptrs, mask=(keys[:, None] < kv_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2                  # [M, N]
+    else:
+        s = tl.dot(q, k) * scale_log2
+    if MASKED:
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+    # m_i starts finite (-1e30), so a row with every key of this tile masked gets p = 0, not NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+        Q, K, V, Out, PartO, PartLse, BlockTables, ContextLens, QueryStart,
+        scale_log2, num_heads, num_splits,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh, stride_bt,
+        G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    qtile = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(QueryStart + seq)
+    q_len = tl.load(QueryStart + seq + 1) - q_start
+    t0 = qtile * QT
+    if t0 >= q_len:  # the grid is sized by the longest query; shorter ones stop here
+        return
+    ctx = tl.load(ContextLens + seq)
+    first_pos = ctx - q_len                  # position of the sequence's first new token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    tok = t0 + offs_m // G                   # row -> (token of the sequence, head of the group)
+    head = kvh * G + offs_m % G
+    row_ok = (offs_m < QT * G) & (tok < q_len)
+    kv_len = first_pos + tl.minimum(t0 + QT, q_len)   # keys the tile's last token sees
+    pos = tl.minimum(first_pos + tok, kv_len - 1)     # padded rows clamp: no key past kv_len
+
+    q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K.dtype.element_ty)
+
+    # This split's keys: whole BLOCK_N tiles, an even share of the tile's kv_len.
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, kv_len)
+    # Keys < first_pos + t0 + 1 are visible to every row: no mask there.
+    unmasked_end = tl.minimum(tl.maximum((first_pos + t0 + 1) // BLOCK_N * BLOCK_N, lo), hi)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    kv_off_k = kvh * stride_kh
+    kv_off_v = kvh * stride_vh
+    for start in range(lo, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
+                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST)
+    for start in range(unmasked_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
+                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST)
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]       # l == 0 only where a split saw no visible key
+    dmask = offs_d[None, :] < HEAD_DIM
+    if SPLIT:
+        row = ((q_start + tok) * num_heads + head) * num_splits + split
+        tl.store(PartO + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(PartLse + row, lse, mask=row_ok)
+    else:
+        o_ptrs = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dmask)
+
+
+@triton.jit
+def _merge_splits_kernel(Out, PartO, PartLse, num_heads, num_splits, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    row = (t * num_heads + h) * num_splits + offs_s
+    s_ok = offs_s < num_splits
+    lse = tl.load(PartLse + row, mask=s_ok, other=float("-inf"))           # [S]
+    w = tl.math.exp2(lse - tl.max(lse, 0))   # split 0 holds key 0, which every query sees: max finite
+    o = tl.load(PartO + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _store_kv_kernel(Kin, Vin, KC, VC, Slots, num_kv_heads,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                     H_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot < 0:  # padded token of a CUDA-graph bucket: owns no slot
+        return
+    blk = slot // PAGE
+    off = slot % PAGE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(Kin + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(Vin + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    kc = KC + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    vc = VC + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(kc, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(VC.dtype.element_ty), mask=mask)
+
+
+# --- host side --------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # interpreter: fewer programs, and tests choose their splits explicitly
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _d_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
+
+
+def tile_config(group: int, max_query_len: int, head_dim: int) -> dict:
+    """BLOCK_M (query rows = tokens x heads of a KV group), BLOCK_N (keys), warps, stages."""
+    d_pad = _d_pad(head_dim)
+    rows = triton.next_power_of_2(max_query_len * group)
+    floor_m = max(16, triton.next_power_of_2(group))   # tl.dot wants M >= 16; one token's heads fit
+    if rows <= 64:
+        block_m, warps = max(floor_m, rows), 4
+    else:
+        block_m, warps = max(floor_m, 128 if rows >= 256 else 64), 8 if rows >= 256 else 4
+    block_n = 64 if d_pad <= 128 else 32
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=3 if d_pad <= 128 else 2)
+
+
+def choose_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """KV splits so that about 4 programs per SM stream the cache, none shorter than
+    MIN_KEYS_PER_SPLIT keys."""
+    if num_programs >= 2 * num_sms:
+        return 1
+    want = math.ceil(4 * num_sms / num_programs)
+    return max(1, min(want, math.ceil(max_context_len / MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def launch_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
+                max_context_len: int, device: torch.device, num_splits: int | None = None,
+                config: dict | None = None) -> dict:
+    """Tile config, query tiles per sequence and KV splits: everything the grid depends on, from
+    host values alone (a CUDA-graph bucket fixes max_query_len and the split count)."""
+    group = num_heads // num_kv_heads
+    plan = {**tile_config(group, max_query_len, head_dim), **(config or {})}
+    qt = plan["BLOCK_M"] // group
+    if qt < 1:
+        raise ValueError(f"BLOCK_M {plan['BLOCK_M']} is smaller than the query group {group}")
+    n_qtiles = triton.cdiv(max_query_len, qt)
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len,
+                                   _num_sms(torch.device(device)))
+    return {**plan, "QT": qt, "n_qtiles": n_qtiles, "num_splits": num_splits}
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, *,
+                    max_context_len: int | None = None, num_splits: int | None = None,
+                    out: torch.Tensor | None = None, config: dict | None = None,
+                    _upcast: bool | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged context (see
+    reference.paged_attention_ref for the semantics).
+
+    q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int32;
+    context_lens: [B] int32 (new tokens included); query_start_loc: [B+1] int32. max_query_len and
+    max_context_len are host bounds (any upper bound works; they size the grid and the split count).
+    Returns out [T, H, D] in q's dtype.
+    """
+    t, h, d = q.shape
+    _, page, hkv, d_k = k_cache.shape
+    if d_k != d or v_cache.shape != k_cache.shape or h % hkv:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches need a contiguous head_dim")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    b = context_lens.shape[0]
+    if t == 0 or b == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * page
+    plan = launch_plan(b, h, hkv, d, max_query_len, max_context_len, q.device, num_splits, config)
+    num_splits, block_m, block_n = plan["num_splits"], plan["BLOCK_M"], plan["BLOCK_N"]
+    upcast = (q.device.type == "cpu" or k_cache.dtype == torch.float32) if _upcast is None else _upcast
+    d_pad = _d_pad(d)
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty((t, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((t, h, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # never touched: the SPLIT branch is compiled out
+    _paged_attention_kernel[(b, hkv, plan["n_qtiles"] * num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, block_tables, context_lens, query_start_loc,
+        scale * LOG2E, h, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        G=h // hkv, QT=plan["QT"], PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT=split, UPCAST=upcast, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    if split:
+        _merge_splits_kernel[(t, h)](
+            out, part_o, part_lse, h, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (any row strides); caches: [num_blocks, block_size, Hkv, D];
+    slot_mapping: [T] int64 flat slots, negative = skip."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE=k_cache.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+        H_PAD=triton.next_power_of_2(hkv), num_warps=4)
+
+
+class TritonAttention:
+    """Attention backend on the Triton kernels: the GPU path (and the CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def store(self, k, v, k_cache, v_cache, batch) -> None:
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, batch, scale: float) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                               batch.query_start_loc, batch.max_query_len, scale,
+                               max_context_len=batch.max_context_len)

@@ -1,0 +1,119 @@
+"""Triton paged attention and KV store under TRITON_INTERPRET=1 (tests/conftest.py sets it without a
+GPU), against the torch reference. Shapes stay tiny: the interpreter runs numpy per program."""
+import random
+
+import pytest
+import torch
+
+from specdec.config import CacheConfig, ModelConfig
+from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error
+from specdec.kernels.reference import TorchAttention, paged_attention_ref, store_kv_ref
+from specdec.kernels.triton_attention import (TritonAttention, choose_splits, launch_plan,
+                                               paged_attention, store_kv)
+from specdec.models.loader import build_model, init_random
+from specdec.runner import ModelRunner, SeqInput
+
+SCALE = 0.3
+
+
+def run_both(batch, num_splits=None, config=None, **kw):
+    out = torch.full_like(batch.q, float("nan"))        # an element the kernel skips stays NaN
+    paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                    batch.query_start_loc, batch.max_query_len, SCALE,
+                    max_context_len=batch.max_context_len, num_splits=num_splits, out=out,
+                    config=config, **kw)
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                              batch.context_lens_host, batch.query_lens, SCALE)
+    return out, ref
+
+
+# (query_lens, context_lens, H, Hkv, D, block_size, tile override, num_splits)
+CASES = {
+    "context_1": ([1], [1], 2, 1, 16, 4, None, None),
+    "ragged_gqa_unaligned": ([1, 3, 7], [1, 9, 30], 4, 2, 32, 4, None, None),
+    "group3_dpad_splits": ([5, 2, 1, 8], [37, 16, 17, 8], 6, 2, 24, 8, {"BLOCK_N": 16}, 3),
+    "mha_prefill_tiles": ([2, 40], [50, 40], 4, 4, 16, 16, {"BLOCK_N": 16}, 2),
+    "mqa_page_gt_tile": ([16, 3], [70, 3], 8, 1, 16, 32, {"BLOCK_N": 16, "BLOCK_M": 16}, 4),
+    "more_splits_than_tiles": ([4, 1], [20, 5], 4, 2, 16, 16, {"BLOCK_N": 16}, 5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_named_cases_match_reference(name):
+    qls, ctxs, h, hkv, d, bs, cfg, splits = CASES[name]
+    batch = random_paged_batch(qls, ctxs, h, hkv, d, bs, torch.float32, "cpu", seed=1)
+    out, ref = run_both(batch, splits, cfg)
+    assert rel_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_ragged_shapes(seed):
+    rng = random.Random(seed)
+    b = rng.randint(1, 4)
+    qls = [rng.choice([1, 1, 2, 5, 9]) for _ in range(b)]
+    ctxs = [q + rng.randint(0, 45) for q in qls]
+    hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 3, 4])
+    d, bs = rng.choice([16, 32, 64]), rng.choice([4, 8, 16])
+    cfg = {"BLOCK_N": rng.choice([16, 32])}
+    splits = rng.choice([None, 1, 2, 3])
+    batch = random_paged_batch(qls, ctxs, hkv * group, hkv, d, bs, torch.float32, "cpu", seed=seed)
+    out, ref = run_both(batch, splits, cfg)
+    assert rel_error(out, ref) < 1e-5, (qls, ctxs, hkv, group, d, bs, cfg, splits)
+
+
+@pytest.mark.parametrize("dtype,upcast,tol", [(torch.float16, False, 2e-3), (torch.bfloat16, True, 1e-2)])
+def test_half_precision_against_float64(dtype, upcast, tol):
+    # fp16 without upcast runs the GPU code path (fp16 dot operands, P cast to fp16).
+    batch = random_paged_batch([3, 1, 6], [21, 1, 40], 4, 2, 32, 8, dtype, "cpu", seed=3)
+    out, _ = run_both(batch, 2, {"BLOCK_N": 16}, _upcast=upcast)
+    assert out.dtype == dtype
+    assert rel_error(out, reference_f64(batch, SCALE)) < tol
+
+
+def test_store_kv_matches_reference_and_skips_negative_slots():
+    gen = torch.Generator().manual_seed(0)
+    t, hkv, d, nb, bs = 7, 3, 16, 5, 4
+    fused = torch.randn(t, 2 * hkv * d + 5, generator=gen)               # k, v as strided views
+    k = fused[:, :hkv * d].view(t, hkv, d)
+    v = fused[:, hkv * d: 2 * hkv * d].view(t, hkv, d)
+    slots = torch.tensor([3, 0, 17, -1, 9, 19, 4], dtype=torch.int64)
+    caches = [torch.zeros(nb, bs, hkv, d, dtype=torch.float16) for _ in range(4)]
+    store_kv(k, v, caches[0], caches[1], slots)
+    keep = slots >= 0
+    store_kv_ref(k[keep], v[keep], caches[2], caches[3], slots[keep])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def tiny_model():
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=61, hidden_size=64,
+                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      rms_norm_eps=1e-6, max_position=256)
+    return init_random(build_model(cfg, torch.float32, "cpu"), seed=0, std=0.1)
+
+
+def test_runner_with_triton_backend_matches_torch_backend():
+    model = tiny_model()
+    cache = CacheConfig(num_blocks=16, block_size=4)
+    runners = [ModelRunner(model, cache, backend=TritonAttention()),
+               ModelRunner(model, cache, backend=TorchAttention())]
+    steps = [
+        [SeqInput("a", [1, 2, 3, 4, 5]), SeqInput("b", list(range(7, 18)), num_logits=3)],  # prefill
+        [SeqInput("a", [9]), SeqInput("b", [4])],                                          # decode
+        [SeqInput("a", [11, 12, 13, 14], num_logits=4), SeqInput("b", [6])],                # verify
+    ]
+    for r in runners:
+        r.add_sequence("a")
+        r.add_sequence("b")
+    for items in steps:
+        got, want = (r.step(items) for r in runners)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_split_heuristic_fills_the_gpu_only_when_needed():
+    assert choose_splits(64 * 32, 8192, 132) == 1            # big batch: one pass, no merge
+    assert choose_splits(32, 8192, 132) == 17                # batch 1 x 32 heads: ~4 programs/SM
+    assert choose_splits(32, 512, 132) == 2                  # but no split under 256 keys
+    assert choose_splits(8, 100, 132) == 1
+    plan = launch_plan(2, 8, 2, 64, 16, 100, torch.device("cpu"))
+    assert (plan["BLOCK_M"], plan["QT"], plan["n_qtiles"]) == (64, 16, 1)  # 16 tokens x 4 heads
