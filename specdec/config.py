@@ -191,6 +191,10 @@ class EngineConfig:
     max_num_draft: int = 16           # largest num_draft (and verify length - 1) a step accepts
     probs_dtype: torch.dtype = torch.float16  # draft probability transport (fp16 or bf16)
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    cuda_graphs: bool = True          # on cuda: capture decode/verify graphs at start-up
+    graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
+    random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)
 
     def __post_init__(self) -> None:
         if not self.device.startswith(("cpu", "cuda")):
@@ -207,6 +211,10 @@ class EngineConfig:
             raise ConfigError(f"probs_dtype: expected float16 or bfloat16, got {self.probs_dtype}")
         if not self.warmup_batch_sizes or min(self.warmup_batch_sizes) < 1:
             raise ConfigError(f"warmup_batch_sizes must be positive, got {self.warmup_batch_sizes}")
+        for name in ("graph_query_lens", "graph_batch_sizes"):
+            value = getattr(self, name)
+            if value is not None and (not value or min(value) < 1):
+                raise ConfigError(f"{name} must be positive, got {value}")
         CacheConfig(num_blocks=1, block_size=self.block_size)  # block_size check
 
     def default_kv_memory(self, free_device_bytes: int | None) -> int:

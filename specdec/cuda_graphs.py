@@ -1,11 +1,15 @@
-"""CUDA graphs of uniform-query-length forwards (decode: 1 token per sequence, verify: k+1), bucketed
-by batch size. On the device hosts the Python and launch overhead of an eager step is larger than
-the step itself; a replay costs one launch.
+"""CUDA graphs of short-query forwards (decode: 1 token per sequence, verify: k+1), bucketed by batch
+size and longest query. On the device hosts the Python and launch overhead of an eager step is
+larger than the step itself; a replay costs one launch.
 
-A graph is captured on static input buffers. A batch of B sequences with query length q replays the
-smallest bucket >= B: rows past B are padding whose KV writes go nowhere (slot -1, which the store
-kernel skips) and whose outputs are dropped. The attention grid is sized at capture from the bucket
-and a context bound of max_model_len, so nothing about a replay depends on host values.
+A graph is captured on static input buffers. A batch of n sequences whose query lengths are at most
+q replays the bucket (b >= n, q) with the smallest q, then the smallest b. The batch need not be
+uniform: the attention kernel reads each sequence's query span from query_start_loc on the device,
+so a ragged batch (a draft feeding 1 or 2 tokens per sequence, verifies of mixed k) is packed into
+the bucket's first tokens and its padding sequences get empty spans. Padding tokens write no KV
+(slot -1, which the store kernel skips) and their rows are dropped. The attention grid is sized at
+capture from the bucket and a context bound of max_model_len, so nothing about a replay depends on
+host values.
 """
 from __future__ import annotations
 
@@ -33,11 +37,13 @@ class GraphedForward:
         self.runner = runner
         self.max_blocks = -(-max_model_len // runner.cache_config.block_size)
         self.max_context = self.max_blocks * runner.cache_config.block_size
-        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.query_lens = tuple(sorted(set(query_lens)))
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.replays = 0  # forwards served by a graph (tests and logs check the GPU path uses them)
         pool = torch.cuda.graph_pool_handle()
         # Largest first: later, smaller captures reuse the pool's memory.
-        for q in query_lens:
+        for q in reversed(self.query_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
 
@@ -69,17 +75,18 @@ class GraphedForward:
         return _Graph(graph, batch, logits)
 
     def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        """The graph that can run this batch, or None (eager): all query lengths equal, logits
-        wanted for every new token, a context within max_model_len."""
-        q = batch.query_lens_host[0]
+        """The graph that can run this batch, or None (eager): every query within a captured length,
+        no more sequences than the largest bucket, a context within max_model_len."""
+        q_max = max(batch.query_lens_host)
         n = len(batch.query_lens_host)
-        if any(ql != q for ql in batch.query_lens_host) or batch.logits_indices.numel() != n * q:
-            return None
         if batch.block_tables.shape[1] > self.max_blocks:
             return None
-        for b in self.batch_sizes:
-            if b >= n and (b, q) in self.graphs:
-                return (b, q)
+        for q in self.query_lens:
+            if q < q_max:
+                continue
+            for b in self.batch_sizes:
+                if b >= n:
+                    return (b, q)
         return None
 
     @torch.inference_mode()
@@ -90,13 +97,18 @@ class GraphedForward:
         g = self.graphs[key]
         s = g.batch
         n, t = len(batch.query_lens_host), batch.input_ids.numel()
+        self.replays += 1
         s.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
         s.positions[:t].copy_(batch.positions, non_blocking=True)
         s.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
         s.slot_mapping[t:].fill_(-1)
+        s.query_start_loc[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
+        s.query_start_loc[n + 1:].fill_(t)  # padding sequences: empty query spans
         s.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
         s.context_lens[n:].fill_(key[1])
         width = batch.block_tables.shape[1]
         s.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
         g.graph.replay()
-        return g.logits[:t]
+        if batch.logits_indices.numel() == t:  # logits of every token (rows are sorted and unique)
+            return g.logits[:t]
+        return g.logits.index_select(0, batch.logits_indices)

@@ -5,6 +5,7 @@ Engines are synchronous and not thread-safe; the servers call them from one exec
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -12,14 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import CacheConfig, ConfigError, EngineConfig
+from specdec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from specdec.kv_cache import KVCache
-from specdec.models.loader import load_model
+from specdec.models.loader import build_model, init_random, load_model
 from specdec.runner import ModelRunner, SeqInput
 from specdec.sampling.params import SamplingParams, SamplingParamsError
 from specdec.tokenizer_info import tokenizer_fingerprint
 from specdec.engine.timing import DecodeProfile, ForwardClock
 from specdec.engine.types import Code, ModelInfo, SeqFailure
+
+log = logging.getLogger("specdec.engine")
 
 WARMUP_CONTEXT = 16  # tokens of context behind the timed single-token forward
 
@@ -37,7 +40,15 @@ class ModelEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        model, self.model_config = load_model(config.model, config.dtype, self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches and CUDA-graph capture use the thread's current device, not the
+            # tensors': a server on cuda:1 must make it current (engine calls stay on this thread).
+            torch.cuda.set_device(self.device)
+        if config.random_weights:  # benchmarks of a shape: no checkpoint to write, read or load
+            self.model_config = ModelConfig.from_path(config.model)
+            model = init_random(build_model(self.model_config, config.dtype, self.device))
+        else:
+            model, self.model_config = load_model(config.model, config.dtype, self.device)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position
         if self.max_model_len > mc.max_position:
@@ -48,6 +59,27 @@ class ModelEngine:
         self.vocab_size = mc.vocab_size
         self.fingerprint = tokenizer_fingerprint(config.model)
         self.profile = DecodeProfile()
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self._capture_graphs()
+
+    def graph_query_lens(self) -> tuple[int, ...]:
+        """Query lengths whose forwards are graphed when the config does not say; engines override."""
+        return (1,)
+
+    def _capture_graphs(self) -> None:
+        # Before the server reports SERVING: capture (and Triton compilation) is seconds, paid once.
+        query_lens = self.config.graph_query_lens or self.graph_query_lens()
+        t0 = time.perf_counter()
+        self.runner.enable_cuda_graphs(self.max_model_len, query_lens, self.config.graph_batch_sizes)
+        log.info("captured %d CUDA graphs (query lengths %s, batch sizes %s) in %.1fs",
+                 len(self.runner.graphs.graphs), ",".join(map(str, sorted(set(query_lens)))),
+                 ",".join(map(str, sorted(set(self.config.graph_batch_sizes)))),
+                 time.perf_counter() - t0)
+
+    @property
+    def graph_replays(self) -> int:
+        """Forwards served by a CUDA graph so far (0 without graphs)."""
+        return self.runner.graphs.replays if self.runner.graphs is not None else 0
 
     def _num_blocks(self, model) -> int:
         cfg = self.config
@@ -179,4 +211,6 @@ class ModelEngine:
             finally:
                 for sid in ids:
                     self.runner.free(sid)
+        if self.runner.graphs is not None:
+            log.info("warm-up: %d forwards replayed CUDA graphs", self.graph_replays)
         return self.profile.table()

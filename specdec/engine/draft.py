@@ -3,6 +3,7 @@ seen, and draft num_draft tokens autoregressively, batched over all sequences (o
 drafted position)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ class DraftEngine(ModelEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.states: dict[int, DraftState] = {}
+
+    def graph_query_lens(self) -> tuple[int, ...]:
+        # A step's first forward feeds 1 token per sequence (the target's correction) or 2 (the
+        # last draft, never fed, and the bonus token after all were accepted); later ones feed 1.
+        return (1, 2)
 
     def _forget(self, seq_id) -> None:
         super()._forget(seq_id)
@@ -110,33 +116,48 @@ class DraftEngine(ModelEngine):
         """Per plan the drafted tokens and (sampled sequences only) the transport-rounded
         distributions [k, V] they were drawn from. The first forward runs every sequence's feed
         (sequences with num_draft 0 only append); each later one feeds one token per sequence still
-        drafting, so sequences with smaller num_draft drop out as they finish."""
-        drafted: list[list[int]] = [[] for _ in plans]
-        qs: list[list[torch.Tensor]] = [[] for _ in plans]
+        drafting, so sequences with smaller num_draft drop out as they finish. Drafted tokens stay
+        on the device and are fed back as the next forward's input ids: the step synchronises
+        once, when they are copied out at the end, not once per position."""
         active = [i for i, p in enumerate(plans) if p.seq.num_draft]
         params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
         rows = list(range(len(active)))  # rows of `params` still drafting
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
+        fed = None      # [len(items)] device token ids replacing the items' placeholder ids
+        steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
         step = 0
         while items:
             with clock.forward():
-                logits = self.runner.step(items)
+                batch = self.runner.prepare(items)
+                if fed is not None:
+                    batch = dataclasses.replace(batch, input_ids=fed)
+                # Rows with logits are the drafting sequences, in `rows` order.
+                logits = self.runner.forward(batch)                             # [len(rows), V]
             if not rows:
                 break
-            logits = torch.cat([x for x in logits if len(x)])                  # [len(rows), V]
-            sub = params if len(rows) == len(active) else params.index(
-                torch.tensor(rows, device=self.device))
-            idx = [active[r] for r in rows]
-            positions = torch.tensor([len(plans[i].tokens) + step for i in idx])
+            sub = params if len(rows) == len(active) else params.index(self._to_device(rows))
+            positions = self._to_device([len(plans[active[r]].tokens) + step for r in rows])
             tokens, q = draft_sample(logits, sub, positions, self.config.probs_dtype)
-            for i, tok, q_row in zip(idx, tokens.tolist(), q):
-                drafted[i].append(tok)
-                if not plans[i].seq.sampling.greedy:
-                    qs[i].append(q_row)
+            steps.append((rows, tokens, q))
             step += 1
-            rows = [r for r in rows if plans[active[r]].seq.num_draft > step]
-            items = [SeqInput(plans[active[r]].seq.seq_id, [drafted[active[r]][-1]]) for r in rows]
+            keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
+            fed = tokens if len(keep) == len(rows) else tokens.index_select(0, self._to_device(keep))
+            rows = [rows[j] for j in keep]
+            items = [SeqInput(plans[active[r]].seq.seq_id, [0]) for r in rows]
+        drafted: list[list[int]] = [[] for _ in plans]
+        qs: list[list[torch.Tensor]] = [[] for _ in plans]
+        host = iter(torch.cat([t for _, t, _ in steps]).tolist() if steps else ())
+        for rows_at, _, q in steps:
+            for j, r in enumerate(rows_at):
+                i = active[r]
+                drafted[i].append(next(host))
+                if not plans[i].seq.sampling.greedy:
+                    qs[i].append(q[j])
         return drafted, [torch.stack(q).cpu() if q else None for q in qs]
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        # non_blocking: a plain .to(cuda) of a host tensor waits for the stream, a sync per position.
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:
         # Forwards after the first feed exactly one token per sequence: live single-token samples.

@@ -33,6 +33,10 @@ class Plan:
 
 
 class TargetEngine(ModelEngine):
+    def graph_query_lens(self) -> tuple[int, ...]:
+        # One new token + k drafts; k beyond 8 is rare enough to run eagerly.
+        return tuple(range(1, min(self.config.max_num_draft, 8) + 2))
+
     def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
         self.release(release)

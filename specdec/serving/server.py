@@ -66,6 +66,15 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                        help="precision of draft probabilities on the wire")
     p.add_argument("--warmup-batch-sizes", help="comma-separated batch sizes of the startup profile "
                                                 "(default 1,2,4,8,16,32 on cuda, 1,2 on cpu)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights of the shape in the model folder's config.json (benchmarks: "
+                        "no checkpoint needed)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every forward eagerly on cuda (default: graphs for decode/verify steps)")
+    p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
+                                              "draft 1,2; target 1..min(max-num-draft, 8)+1)")
+    p.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32",
+                   help="comma-separated batch buckets to graph (larger batches run eagerly)")
     p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight steps get at shutdown")
     p.add_argument("--log-level", default="INFO")
@@ -85,12 +94,23 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             num_blocks=a.num_blocks, kv_memory=parse_size(a.kv_memory) if a.kv_memory else None,
             max_model_len=a.max_model_len, max_num_draft=a.max_num_draft,
             probs_dtype=parse_dtype(getattr(a, "probs_dtype", "float16")),
-            warmup_batch_sizes=tuple(int(x) for x in sizes.split(",")))
+            warmup_batch_sizes=_ints(sizes, "--warmup-batch-sizes"), cuda_graphs=a.cuda_graphs,
+            graph_query_lens=(_ints(a.graph_query_lens, "--graph-query-lens")
+                              if a.graph_query_lens else None),
+            graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),
+            random_weights=a.random_weights)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads)
     except ValueError as e:
         parser.error(str(e))
     return config, a.log_level
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
 # --- serving -----------------------------------------------------------------------------------

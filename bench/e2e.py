@@ -1,0 +1,338 @@
+"""End-to-end tokens/s through the gRPC services (client -> coordinator -> draft and target servers):
+speculative decoding against plain decoding on the same services, and transformers' generate with
+and without assisted generation (assistant_model=draft) on the same pair.
+
+    python3 bench/e2e.py            # GPU sweep, bounded by --deadline (default 300 s)
+    python3 bench/e2e.py --quick    # demo pair on one GPU, HF on it, 7B with the 68m draft
+    python3 bench/e2e.py --smoke    # CPU plumbing check: demo pair + a tiny random pair
+
+Sections, in this order (one not started when the deadline would pass is recorded as skipped):
+  demo-1gpu  demo pair (models/target, models/draft; real acceptance), both on cuda:0
+  hf-demo    transformers generate on the demo pair, plain and assisted, batch 1
+  7b         Llama-7B shape with the llama-68m, llama-160m and tinyllama-1.1b shapes as drafts,
+             batch 1, one GPU; random weights (servers' --random-weights: no checkpoint on disk),
+             so acceptance is whatever random models agree on; the target server stays up while
+             the drafts change
+  demo-2gpu  demo pair with the target on cuda:0 and the draft on cuda:1 (two GPUs only)
+  hf-7b      transformers generate on the 7B shapes (its own random init), batch 1
+
+Per row: tokens/s with speculation (fixed γ) and without (speculation off: plain decoding through
+the same Verify path), acceptance = accepted/drafted, τ = 1 + accepted/steps, α solved from τ and γ
+(Leviathan's per-token acceptance), c from the servers' start-up decode profiles (graph replays on
+cuda), c_system from the coordinator's metrics when it exposes them, expected speedup τ/(γc + 1)
+against the measured one, and whether greedy speculative output equals greedy plain output.
+Writes bench/results/e2e.json (and $OUT/e2e.json).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import environment, table, write_result
+
+import torch  # noqa: E402
+
+from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E402
+from services import (DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
+                      decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
+                      run_concurrent, summarize, write_shape_folder)
+
+SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
+# Smoke stand-ins for the 7B pair: random weights through the same code path, CPU-sized.
+TINY = {"target": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192,
+                       hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+        "draft": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192,
+                      hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)}
+# Rough seconds a section needs once started (start-up included); a section starts only if the
+# deadline leaves it this much.
+ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 60, "7b-draft": 20, "demo-2gpu": 30, "hf-7b": 45}
+
+
+class Clock:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, section: str) -> bool:
+        return self.left() >= ESTIMATE[section]
+
+
+def server_args(a) -> list[str]:
+    args = ["--max-model-len", str(a.max_model_len), "--max-num-draft", "8",
+            "--warmup-batch-sizes", ",".join(map(str, sorted({1, *a.batches})))]
+    if a.device == "cuda":
+        # Two servers share a GPU: a fixed KV size each (the default takes 85% of what is free).
+        args += ["--kv-memory", a.kv_memory,
+                 "--graph-batch-sizes", ",".join(str(b) for b in (1, 2, 4, 8, 16, 32) if b <= max(a.batches))]
+    return args
+
+
+def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: Path) -> list[dict]:
+    """One coordinator over running servers: per batch size a plain and a speculative pass."""
+    rows = []
+    with coordinator(target, draft, log_dir, ["--max-batch-size", str(max(batches)),
+                                               "--num-draft", str(a.gamma)]) as coord:
+        used = prompts[:max(b * a.waves for b in batches)]
+        # Warm-up over every prompt: eager prefill shapes compile their Triton kernels here.
+        run_concurrent(coord.address, used, max(batches), max_new_tokens=4, ignore_eos=True)
+        tprof, dprof = decode_profile(target), decode_profile(draft)
+        for b in batches:
+            ps = used[:b * a.waves]
+            common = dict(max_new_tokens=a.new_tokens, ignore_eos=True, timeout=a.request_timeout)
+            plain_recs, plain_wall = run_concurrent(coord.address, ps, b, speculate=False, **common)
+            spec_recs, spec_wall = run_concurrent(coord.address, ps, b, speculate=True,
+                                                  num_draft=a.gamma, **common)
+            plain, spec = summarize(plain_recs, plain_wall), summarize(spec_recs, spec_wall)
+            t_c, d_c = profile_at(tprof, b), profile_at(dprof, b)
+            c = d_c / t_c if t_c and d_c else None
+            tau = spec["tau"]
+            c_sys = _metric(coord.metrics(), "specdec_system_cost_coefficient", b)
+            same = [p.tokens == s.tokens for p, s in zip(plain_recs, spec_recs)
+                    if p.error is None and s.error is None]
+            row = {"pair": label, "gpus": gpus, "batch": b, "gamma": a.gamma,
+                   "plain_tok_s": plain["tok_s"], "spec_tok_s": spec["tok_s"],
+                   "speedup": spec["tok_s"] / plain["tok_s"] if plain["tok_s"] and spec["tok_s"] else None,
+                   "acceptance": spec["acceptance"], "tau": tau,
+                   "alpha": leviathan_alpha(tau, a.gamma) if tau else None,
+                   "c": c, "c_system": c_sys,
+                   "expected": tau / (a.gamma * c + 1) if tau and c is not None else None,
+                   "expected_system": tau / (a.gamma * c_sys + 1) if tau and c_sys is not None else None,
+                   "greedy_equal": sum(same) / len(same) if same else None,
+                   "target_decode_ms": 1e3 * t_c if t_c else None,
+                   "draft_decode_ms": 1e3 * d_c if d_c else None,
+                   "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
+                   "plain": plain, "spec": spec}
+            rows.append(row)
+            print(f"{label} gpus={gpus} batch={b}: plain {_f(plain['tok_s'])} tok/s, spec "
+                  f"{_f(spec['tok_s'])} tok/s, acceptance {_f(spec['acceptance'], '.3f')}, "
+                  f"c {_f(c, '.3f')}, errors {plain['errors'] + spec['errors']}"
+                  + (f" ({plain['first_error'] or spec['first_error']})"
+                     if plain['errors'] + spec['errors'] else ""), flush=True)
+    return rows
+
+
+def _metric(samples: dict, name: str, batch: int) -> float | None:
+    values = samples.get(name) or []
+    exact = [v for labels, v in values if labels.get("batch") == str(batch)]
+    value = exact[0] if exact else (values[0][1] if values else None)
+    return None if value is None or value != value else value  # NaN: not measured yet
+
+
+def _f(x, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]], target_dev: str,
+                draft_dev: str, gpus: int, batches, prompts, log_root: Path, clock: Clock,
+                extra_args: list[str] = ()) -> list[dict]:
+    """Starts the target (and the first draft alongside it) once; each draft gets its own server
+    and coordinator in turn."""
+    rows, procs = [], []
+    args = server_args(a) + list(extra_args)
+    log_root.mkdir(parents=True, exist_ok=True)
+    try:
+        target = spawn_server("target", target_path, log_root, device=target_dev, args=args)
+        procs.append(target)
+        draft = None
+        for i, (dlabel, dpath) in enumerate(drafts):
+            name = f"{label}/{dlabel}" if dlabel else label
+            if i and not clock.allows("7b-draft"):
+                rows.append({"pair": name, "gpus": gpus, "skipped": "deadline"})
+                continue
+            if draft is not None:
+                stop_all([draft])
+            log_dir = log_root / f"draft{i}"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            draft = spawn_server("draft", dpath, log_dir, device=draft_dev, args=args)
+            procs.append(draft)
+            for proc in (target, draft):
+                wait_healthy(proc, a.startup_timeout)
+            rows += measure(a, name, gpus, target, draft, batches, prompts, log_dir)
+    finally:
+        stop_all(procs)
+    return rows
+
+
+def hf_generate(target_path: Path, draft_paths: list[tuple[str, Path]], label: str, device: str,
+                dtype: torch.dtype, prompts: list[str], a) -> list[dict]:
+    """transformers' own generate, batch 1, greedy: plain, then assisted by each draft (γ fixed)."""
+    import transformers
+    from coordinator.tokenizer import TextTokenizer
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    tok = TextTokenizer(target_path)
+    ids = [torch.tensor([tok.encode(p)], device=device) for p in prompts]
+    kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
+
+    def load(path):
+        auto = transformers.AutoModelForCausalLM
+        if has_weights(path):
+            return auto.from_pretrained(path, dtype=dtype).to(device).eval()
+        # A shape folder (random weights): transformers' own random init, on the device.
+        with torch.device(device):
+            return auto.from_config(transformers.AutoConfig.from_pretrained(path), dtype=dtype).eval()
+
+    def tok_s(model, **extra) -> tuple[float, list[list[int]]]:
+        model.generate(ids[0], **{**kw, **extra, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        outs, t = [], 0.0
+        for x in ids:
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model.generate(x, **kw, **extra)
+            _sync(device)
+            t += time.perf_counter() - t0
+            outs.append(out[0, x.shape[1]:].tolist())
+        return len(ids) * a.new_tokens / t, outs
+
+    rows = []
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # like the servers: tiny matmuls on a small busy host run faster
+    with torch.no_grad():
+        target = load(target_path)
+        plain, plain_out = tok_s(target)
+        for dlabel, dpath in draft_paths:
+            draft = load(dpath)
+            draft.generation_config.num_assistant_tokens = a.gamma
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            try:
+                assisted, out = tok_s(target, assistant_model=draft)
+                err = None
+            except Exception as e:  # reported in the row: the comparison column says why
+                assisted, out, err = None, None, f"{type(e).__name__}: {e}"[:300]
+            rows.append({"pair": f"{label}/{dlabel}" if dlabel else label, "hf_plain_tok_s": plain,
+                         "hf_assisted_tok_s": assisted, "hf_speedup": assisted / plain if assisted else None,
+                         "hf_greedy_equal": (sum(o == p for o, p in zip(out, plain_out)) / len(out)
+                                             if out else None), "hf_error": err})
+            print(f"HF {rows[-1]['pair']}: plain {plain:.0f} tok/s, assisted {_f(assisted)} tok/s"
+                  + (f" ({err})" if err else ""), flush=True)
+            del draft
+        del target
+    torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="CPU plumbing check with small settings")
+    p.add_argument("--quick", action="store_true", help="demo pair on one GPU, HF, 7B with the 68m draft")
+    p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run")
+    p.add_argument("--batches", type=int, nargs="+", help="concurrent clients (default 1 8; smoke 1 2)")
+    p.add_argument("--batches-7b", type=int, nargs="+", default=[1])
+    p.add_argument("--new-tokens", type=int, help="tokens per request (default 64; smoke 16)")
+    p.add_argument("--waves", type=int, default=3, help="requests per client and measurement")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu hf-7b")
+    p.add_argument("--kv-memory", default="4GiB", help="KV cache of each server on cuda")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--work-dir", type=Path, help="where random checkpoints and logs go (default: a temp dir)")
+    a = p.parse_args(argv)
+    a.device = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
+    a.batches = a.batches or ([1, 2] if a.smoke else [1, 8])
+    a.new_tokens = a.new_tokens or (16 if a.smoke else 64)
+    if a.smoke:
+        a.waves = min(a.waves, 2)
+    default = ["demo-1gpu", "hf-demo", "7b"] + ([] if a.quick else ["demo-2gpu", "hf-7b"])
+    a.sections = a.sections or default
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    clock = Clock(a.deadline)
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    dev0 = "cuda:0" if a.device == "cuda" else "cpu"
+    work = a.work_dir or Path(tempfile.mkdtemp(prefix="specdec-e2e-"))
+    prompts = code_prompts(max(a.batches + a.batches_7b) * a.waves, 200, 400, seed=1)
+    rows, hf_rows, skipped = [], [], []
+
+    def section(name: str) -> bool:
+        if name not in a.sections:
+            return False
+        if not clock.allows(name):
+            skipped.append(name)
+            print(f"skipping {name}: {clock.left():.0f}s left", flush=True)
+            return False
+        print(f"== {name} ({clock.left():.0f}s left)", flush=True)
+        return True
+
+    def seven_b() -> tuple[Path, list[tuple[str, Path]]]:
+        """Model folders of the 7B pair (smoke: the tiny stand-ins): shapes, no weights."""
+        if a.smoke:
+            target_shape, draft_shapes = TINY["target"], [("tiny-draft", TINY["draft"])]
+        else:
+            target_shape = "llama-7b"
+            draft_shapes = [(s, s) for s in (SEVEN_B_DRAFTS[:1] if a.quick else SEVEN_B_DRAFTS)]
+        dt = str(dtype).removeprefix("torch.")
+        return (write_shape_folder(work / "shapes" / "target", target_shape, dtype=dt),
+                [(label, write_shape_folder(work / "shapes" / label, shape, dtype=dt))
+                 for label, shape in draft_shapes])
+
+    seven_label = "tiny-random" if a.smoke else "llama-7b"
+    if section("demo-1gpu"):
+        rows += serve_pairs(a, "demo", DEMO_TARGET, [("", DEMO_DRAFT)], dev0, dev0, min(gpus, 1),
+                            a.batches, prompts, work / "logs" / "demo-1gpu", clock)
+    if section("hf-demo"):
+        hf_rows += hf_generate(DEMO_TARGET, [("", DEMO_DRAFT)], "demo", dev0, dtype, prompts[:a.waves], a)
+    if section("7b"):
+        tdir, drafts = seven_b()
+        rows += serve_pairs(a, seven_label, tdir, drafts, dev0, dev0, min(gpus, 1), a.batches_7b,
+                            prompts, work / "logs" / "7b", clock, ["--random-weights"])
+    if "demo-2gpu" in a.sections and gpus < 2:
+        skipped.append("demo-2gpu (one GPU)")
+    elif section("demo-2gpu"):
+        rows += serve_pairs(a, "demo", DEMO_TARGET, [("", DEMO_DRAFT)], "cuda:0", "cuda:1", 2,
+                            a.batches, prompts, work / "logs" / "demo-2gpu", clock)
+    if section("hf-7b"):
+        tdir, drafts = seven_b()
+        hf_rows += hf_generate(tdir, drafts, seven_label, dev0, dtype, prompts[:1], a)
+
+    for r in rows:  # HF numbers next to our batch-1, one-GPU row of the same pair
+        hf = next((h for h in hf_rows if h["pair"] == r["pair"]), None)
+        if hf and r.get("batch") == 1 and r.get("gpus", 0) <= 1:
+            r.update({k: v for k, v in hf.items() if k != "pair"})
+    result = {"benchmark": "e2e", "environment": environment(), "device": a.device, "gpus": gpus,
+              "settings": {"new_tokens": a.new_tokens, "gamma": a.gamma, "waves": a.waves,
+                           "batches": a.batches, "batches_7b": a.batches_7b, "smoke": a.smoke,
+                           "quick": a.quick, "deadline_s": a.deadline, "sampling": "greedy",
+                           "dtype": str(dtype).removeprefix("torch.")},
+              "rows": rows, "hf": hf_rows, "skipped": skipped,
+              "elapsed_s": a.deadline - clock.left(), "work_dir": str(work)}
+    path = write_result("e2e_smoke" if a.smoke else "e2e", result)
+    print()
+    print(table([r for r in rows if "skipped" not in r], [
+        ("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d"),
+        ("plain_tok_s", "plain tok/s", ".0f"), ("spec_tok_s", "spec tok/s", ".0f"),
+        ("speedup", "speedup", ".2f"), ("expected", "expected (c)", ".2f"),
+        ("expected_system", "expected (c_sys)", ".2f"), ("acceptance", "acc/drafted", ".3f"),
+        ("alpha", "alpha", ".3f"), ("tau", "tau", ".2f"), ("c", "c", ".3f"),
+        ("c_system", "c_sys", ".3f"), ("greedy_equal", "greedy ==", ".2f"),
+        ("hf_plain_tok_s", "HF tok/s", ".0f"), ("hf_assisted_tok_s", "HF assisted tok/s", ".0f")]))
+    if skipped:
+        print(f"skipped: {', '.join(skipped)}")
+    print(f"wrote {path} ({result['elapsed_s']:.0f}s)")
+    errors = sum(r["plain"]["errors"] + r["spec"]["errors"] for r in rows if "plain" in r)
+    return 1 if errors or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Engine settings of the model servers added for the GPU path and the benchmarks (CUDA graphs,
+random weights): command line -> EngineConfig, validation, and that CPU engines never capture (the
+graph path itself is tested on the GPU: tests/gpu/test_services_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.config import ConfigError, EngineConfig
+from specdec.serving.server import config_from_args
+
+
+def test_defaults_graph_on_cuda_with_engine_query_lengths():
+    config = config_from_args("target", ["--model", "m", "--device", "cuda:1"])[0]
+    e = config.engine
+    assert e.cuda_graphs and e.graph_query_lens is None and e.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+
+
+def test_flags_reach_the_engine_config():
+    argv = ["--model", "m", "--no-cuda-graphs", "--graph-query-lens", "1,3", "--graph-batch-sizes", "1,8"]
+    config = config_from_args("draft", argv)[0]
+    e = config.engine
+    assert not e.cuda_graphs and e.graph_query_lens == (1, 3) and e.graph_batch_sizes == (1, 8)
+    assert not e.random_weights
+    assert config_from_args("target", ["--model", "m", "--random-weights"])[0].engine.random_weights
+
+
+@pytest.mark.parametrize("flag, value", [("--graph-query-lens", "1,x"), ("--graph-batch-sizes", "0,2")])
+def test_bad_values_exit_with_usage(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        config_from_args("target", ["--model", "m", flag, value])
+    assert flag.strip("-").replace("-", "_") in capsys.readouterr().err.replace("-", "_")
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="graph_query_lens"):
+        EngineConfig(model="m", graph_query_lens=())
+    with pytest.raises(ConfigError, match="graph_batch_sizes"):
+        EngineConfig(model="m", graph_batch_sizes=(0,))
+
+
+def test_cpu_engines_run_eagerly(tmp_path):
+    from specdec.engine import DraftEngine, TargetEngine
+    from tests.helpers.tiny_models import make_pair
+    target, draft = make_pair(tmp_path)
+    for cls, path in ((DraftEngine, draft), (TargetEngine, target)):
+        engine = cls(EngineConfig(model=path, num_blocks=8))
+        assert engine.runner.graphs is None and engine.graph_replays == 0
