@@ -2,8 +2,12 @@
 
     python3 bench/attention.py            # checks, full sweep, bounded tuning sweep
     python3 bench/attention.py --quick    # checks, reduced sweep, no tuning
+    python3 bench/attention.py --eager    # time eager calls only (no CUDA graphs)
 
-Floor = KV bytes the call must read / copy bandwidth measured in the same run (a device-to-device
+Timing: the model runs attention inside CUDA graphs, so `ms` (and `sdpa_ms`) time replays of a graph
+that captured one call: device time, without the Python, plan and launch cost of an eager call, which
+`eager_ms` reports next to it (at small sizes eager calls are host-bound: ~30-100 us of host work
+against a few us of kernel). Floor = KV bytes the call must read / copy bandwidth measured in the same run (a device-to-device
 copy of COPY_BYTES; bandwidth counts its read and write bytes). Writes bench/results/attention.json
 (and $OUT/attention.json when OUT is set) after every case group, prints the table, and exits 1
 when a correctness check or a case fails (a missed performance goal is reported, not an error).
@@ -41,11 +45,18 @@ BLOCK_SIZE = 16
 COPY_BYTES = 2 * 2**30
 DEVICE = "cuda"
 CHECK_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-TUNE_CASES = [("llama7b_32x128", 1, 8192, 1), ("llama7b_32x128", 8, 2048, 8),
-              ("llama7b_32x128", 64, 2048, 1), ("gqa_32q_8kv_x128", 8, 2048, 16),
-              ("gqa_32q_8kv_x128", 1, 8192, 4), ("llama7b_32x128", 1, 1024, 8)]
-TUNE_CONFIGS = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
-                for n in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 3))]
+BENCH_MS = dict(warmup=10, rep=50)        # per timed call in the sweep (3 per case: graph, eager, SDPA)
+TUNE_MS = dict(warmup=3, rep=15)          # per config in the tuning sweep
+# Tuned cases, one per regime the heuristics decide: the split regime (B=1 long context), the ~2
+# programs/SM boundary (B=8 MHA, B=32 GQA), big batch, GQA long context, BLOCK_M=64 rows, latency.
+# Each gets an equal share of --tune-seconds (the last run spent its whole budget on the first four).
+TUNE_CASES = [("llama7b_32x128", 1, 1024, 8), ("gqa_32q_8kv_x128", 1, 1024, 8),
+              ("llama7b_32x128", 1, 8192, 1), ("gqa_32q_8kv_x128", 8, 8192, 1),
+              ("llama7b_32x128", 8, 2048, 8), ("gqa_32q_8kv_x128", 32, 2048, 4),
+              ("llama7b_32x128", 64, 2048, 1), ("gqa_32q_8kv_x128", 64, 8192, 1),
+              ("gqa_32q_8kv_x128", 8, 2048, 16)]
+TUNE_TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
+              for n in (64, 128, 32) for w, s in ((4, 3), (4, 2), (8, 3), (4, 4))]
 
 
 def log(msg: str) -> None:
@@ -117,7 +128,21 @@ def sdpa_runner(q4, k4, v4, ql, ctx, scale, gqa):
     raise RuntimeError("SDPA failed: " + "; ".join(errors))
 
 
-def bench_group(shape: str, b: int, ctx: int, qls, bw: float, tune: bool, deadline: float) -> list[dict]:
+def graph_of(fn):
+    """A replay callable of a CUDA graph that captured one fn() call (already warmed up)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def timed(fn, graphed: bool, **bench_ms) -> float:
+    return do_bench(graph_of(fn) if graphed else fn, return_mode="median", **bench_ms)
+
+
+def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tune_s: float) -> list[dict]:
     h, hkv, d = SHAPES[shape]
     scale = d ** -0.5
     base = random_paged_batch([1] * b, [ctx] * b, h, hkv, d, BLOCK_SIZE, DTYPE, DEVICE, seed=b + ctx,
@@ -129,7 +154,8 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, tune: bool, deadli
     rows = []
     for ql in qls:
         row = {"shape": shape, "heads": h, "kv_heads": hkv, "head_dim": d, "batch": b, "context": ctx,
-               "query_len": ql, "dtype": str(DTYPE), "block_size": BLOCK_SIZE, "kv_bytes": kv_bytes}
+               "query_len": ql, "dtype": str(DTYPE), "block_size": BLOCK_SIZE, "kv_bytes": kv_bytes,
+               "timing": "graph" if graphed else "eager"}
         try:
             q = torch.randn(b * ql, h, d, device=DEVICE, dtype=DTYPE)
             qsl = (torch.arange(b + 1, device=DEVICE, dtype=torch.int32) * ql)
@@ -147,16 +173,24 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, tune: bool, deadli
             ref = sdpa().transpose(1, 2).reshape(b * ql, h, d)
             row["check_vs_sdpa_rel_err"] = rel_error(out, ref)
             row["check_ok"] = row["check_vs_sdpa_rel_err"] < 2 * CHECK_TOL[DTYPE]
-            row["ms"] = do_bench(ours, return_mode="median")
-            row["sdpa_ms"] = do_bench(sdpa, return_mode="median")
+            row["ms"] = timed(ours, graphed, **BENCH_MS)
+            row["eager_ms"] = timed(ours, False, **BENCH_MS) if graphed else row["ms"]
+            try:
+                row["sdpa_ms"] = timed(sdpa, graphed, **BENCH_MS)
+            except Exception as e:  # noqa: BLE001 - a capture failure of torch's kernel is not ours
+                log(f"SDPA graph capture failed ({e!r}); timing it eager")
+                row["sdpa_ms"] = timed(sdpa, False, **BENCH_MS)
+                variant += " (eager)"
             row["sdpa_variant"] = variant
             row["floor_ms"] = kv_bytes / bw * 1e3
             row["frac_of_floor"] = row["floor_ms"] / row["ms"]
             row["vs_sdpa"] = row["sdpa_ms"] / row["ms"]
             row["plan"] = {k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
                                                 "num_splits")}
-            if tune and (shape, b, ctx, ql) in TUNE_CASES and time.time() < deadline:
-                row["tuning"] = tune_case(ours, plan["num_splits"], deadline)
+            if tune_s > 0 and (shape, b, ctx, ql) in TUNE_CASES:
+                t_tune = time.time()
+                row["tuning"] = tune_case(ours, row["plan"], graphed, t_tune + tune_s)
+                row["tuning_s"] = time.time() - t_tune
         except Exception as e:  # noqa: BLE001 - one failed case must not hide the others
             row["error"] = repr(e)
             log(traceback.format_exc())
@@ -165,24 +199,43 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, tune: bool, deadli
     return rows
 
 
-def tune_case(ours, splits0: int, deadline: float) -> list[dict]:
-    """Times the other tile configs and split counts: data for the next heuristic, not the result."""
+def tune_candidates(plan: dict):
+    """(config, splits) pairs, most informative first: the plan's tile at other split counts, then
+    the other tiles at the plan's split count and at one split, then the rest. Splits are a runtime
+    argument (no compile); every new tile costs a compile, so the deadline cuts from the end."""
+    s0 = plan["num_splits"]
+    splits = sorted({1, max(1, s0 // 2), s0, 2 * s0, 4, 8, 16, 32} - {0})
+    splits = [s for s in splits if s <= 64]
+    own = {k: plan[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+    tiles = [own] + [t for t in TUNE_TILES if t != own]
+    if plan["BLOCK_M"] < 64:  # does a 64-row tile (wgmma-sized, rows wasted) stream faster?
+        tiles.insert(3, {**own, "BLOCK_M": 64})
+    seen = set()
+    for cfg, ss in [(own, splits)] + [(t, [s0, 1]) for t in tiles[1:]] + [(t, splits) for t in tiles[1:]]:
+        for s in ss:
+            key = (tuple(sorted(cfg.items())), s)
+            if key not in seen:
+                seen.add(key)
+                yield cfg, s
+
+
+def tune_case(ours, plan: dict, graphed: bool, deadline: float) -> list[dict]:
+    """Times other tile configs and split counts: data for the next heuristic, not the result."""
     results = []
-    for cfg in TUNE_CONFIGS:
-        for splits in sorted({1, max(1, splits0 // 2), splits0, min(64, 2 * splits0), min(64, 4 * splits0)}):
-            if time.time() > deadline:
-                return results
-            try:
-                ours(cfg, splits)
-                ms = do_bench(lambda: ours(cfg, splits), warmup=5, rep=25, return_mode="median")
-                results.append({**cfg, "num_splits": splits, "ms": ms})
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this config
-                results.append({**cfg, "num_splits": splits, "error": repr(e)[:200]})
+    for cfg, splits in tune_candidates(plan):
+        if time.time() > deadline:
+            break
+        try:
+            ours(cfg, splits)
+            ms = timed(lambda: ours(cfg, splits), graphed, **TUNE_MS)
+            results.append({**cfg, "num_splits": splits, "ms": ms})
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this config
+            results.append({**cfg, "num_splits": splits, "error": repr(e)[:200]})
     return results
 
 
-HEADER = (f"{'shape':<18}{'B':>4}{'ctx':>6}{'q':>4}{'KV MB':>9}{'ms':>9}{'sdpa ms':>9}{'floor':>8}"
-          f"{'%floor':>8}{'xSDPA':>7}{'splits':>7}  notes")
+HEADER = (f"{'shape':<18}{'B':>4}{'ctx':>6}{'q':>4}{'KV MB':>9}{'ms':>9}{'eager':>9}{'sdpa ms':>9}"
+          f"{'floor':>8}{'%floor':>8}{'xSDPA':>7}{'tile':>12}{'S':>4}  notes")
 
 
 def fmt_row(r: dict) -> str:
@@ -200,9 +253,11 @@ def fmt_row(r: dict) -> str:
         ok = [t for t in r["tuning"] if "ms" in t]
         if ok:
             best = min(ok, key=lambda t: t["ms"])
-            notes.append(f"best tuned {best['ms']:.4f} ms {best}")
-    return head + (f"{r['ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
-                   f"{100 * r['frac_of_floor']:>7.1f}%{r['vs_sdpa']:>7.2f}{r['plan']['num_splits']:>7}  "
+            notes.append(f"best of {len(ok)} tuned {best['ms']:.4f} ms {best}")
+    p = r["plan"]
+    tile = f"{p['BLOCK_M']}/{p['BLOCK_N']}/{p['num_warps']}/{p['num_stages']}"
+    return head + (f"{r['ms']:>9.4f}{r['eager_ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
+                   f"{100 * r['frac_of_floor']:>7.1f}%{r['vs_sdpa']:>7.2f}{tile:>12}{p['num_splits']:>4}  "
                    + "; ".join(notes))
 
 
@@ -219,9 +274,25 @@ def goals(rows: list[dict]) -> dict:
                    if r["ms"] > r["sdpa_ms"]
                    or (r["kv_bytes"] >= FLOOR_GOAL_BYTES and r["frac_of_floor"] < FLOOR_GOAL)],
         "latency_b1_ctx1024_q8_le_15us": {r["shape"]: round(r["ms"] * 1e3, 2) for r in lat},
+        "latency_eager_us": {r["shape"]: round(r["eager_ms"] * 1e3, 2) for r in lat},
         "errors": len(rows) - len(good),
         "mismatches_vs_sdpa": sum(not r["check_ok"] for r in good),
     }
+
+
+def tuning_summary(rows: list[dict]) -> list[dict]:
+    """Per tuned case: the heuristic's plan against the best config found (the next round's input)."""
+    summary = []
+    for r in rows:
+        ok = [t for t in r.get("tuning", []) if "ms" in t]
+        if ok:
+            best = min(ok, key=lambda t: t["ms"])
+            summary.append({"case": f"{r['shape']} B={r['batch']} ctx={r['context']} q={r['query_len']}",
+                            "plan": r["plan"], "plan_ms": r["ms"], "best": best,
+                            "best_frac_of_floor": r["floor_ms"] / best["ms"],
+                            "plan_over_best": r["ms"] / best["ms"], "configs_timed": len(ok),
+                            "errors": len(r["tuning"]) - len(ok)})
+    return summary
 
 
 def write(result: dict, path: Path) -> None:
@@ -235,7 +306,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="reduced sweep, no tuning")
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--tune-seconds", type=float, default=150.0, help="time budget of the tuning sweep")
+    ap.add_argument("--tune-seconds", type=float, default=150.0,
+                    help="time budget of the tuning sweep, shared evenly by TUNE_CASES")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--graph", dest="graphed", action="store_true", default=True,
+                      help="ms = CUDA-graph replays, eager_ms beside it (default)")
+    mode.add_argument("--eager", dest="graphed", action="store_false", help="ms = eager calls only")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -244,7 +320,8 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         log("ERROR: TRITON_INTERPRET is set; unset it to benchmark the compiled kernels")
         return 2
-    result = {"environment": environment(), "dtype": str(DTYPE), "block_size": BLOCK_SIZE}
+    result = {"environment": environment(), "dtype": str(DTYPE), "block_size": BLOCK_SIZE,
+              "timing": "graph replay (ms, sdpa_ms), eager call (eager_ms)" if args.graphed else "eager"}
     log(json.dumps(result["environment"]))
     t0 = time.time()
     result["checks"] = [] if args.skip_checks else correctness_checks()
@@ -255,24 +332,31 @@ def main() -> int:
     result["copy_bandwidth_GBps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     batches, contexts, qls = QUICK if args.quick else (BATCHES, CONTEXTS, QUERY_LENS)
-    tune_deadline = None  # the tuning budget starts with the first tuned case
+    tune_left, cases_left = (0.0 if args.quick else args.tune_seconds), len(TUNE_CASES)
     rows = result["rows"] = []
     log(HEADER)
     for shape in SHAPES:
         groups = [(b, ctx, qls) for b in batches for ctx in contexts]
         groups.append((LATENCY_CASE[0], LATENCY_CASE[1], (LATENCY_CASE[2],)))
         for b, ctx, group_qls in groups:
-            tune = not args.quick and any(c[:3] == (shape, b, ctx) for c in TUNE_CASES)
-            if tune and tune_deadline is None:
-                tune_deadline = time.time() + args.tune_seconds
-            rows += bench_group(shape, b, ctx, group_qls, bw, tune, tune_deadline or 0.0)
+            tuned = any(c[:3] == (shape, b, ctx) and c[3] in group_qls for c in TUNE_CASES)
+            tune_s = max(0.0, tune_left) / max(1, cases_left) if tuned else 0.0  # unspent time rolls on
+            new = bench_group(shape, b, ctx, group_qls, bw, args.graphed, tune_s)
+            if tuned:
+                cases_left -= 1
+                tune_left -= sum(r.get("tuning_s", 0.0) for r in new)
+            rows += new
             torch.cuda.empty_cache()
             result["goals"] = goals(rows)
+            result["tuning_summary"] = tuning_summary(rows)
             write(result, args.out)
     result["goals"] = goals(rows)
     result["wall_s"] = time.time() - t0
     write(result, args.out)
     log(json.dumps(result["goals"], indent=1))
+    for t in result.get("tuning_summary", []):
+        log(f"tuned {t['case']}: plan {t['plan_ms']:.4f} ms {t['plan']}, best of {t['configs_timed']} "
+            f"{t['best']['ms']:.4f} ms ({100 * t['best_frac_of_floor']:.0f}% floor) {t['best']}")
     log(f"wrote {args.out}" + (f" and {os.environ['OUT']}/attention.json" if os.environ.get("OUT") else ""))
     bad = failed_checks + result["goals"]["errors"] + result["goals"]["mismatches_vs_sdpa"]
     if bad:

@@ -74,8 +74,8 @@ def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_l
 
 @triton.jit
 def _paged_attention_kernel(
-        Q, K, V, Out, PartO, PartLse, BlockTables, ContextLens, QueryStart,
-        scale_log2, num_heads, num_splits,
+        Q, K, V, Out, Part, BlockTables, ContextLens, QueryStart,
+        scale_log2, num_heads, num_splits, lse_offset,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt,
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -136,16 +136,16 @@ def _paged_attention_kernel(
     dmask = offs_d[None, :] < HEAD_DIM
     if SPLIT:
         row = ((q_start + tok) * num_heads + head) * num_splits + split
-        tl.store(PartO + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_ok[:, None])
+        tl.store(Part + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(PartLse + row, lse, mask=row_ok)
+        tl.store(Part + lse_offset + row, lse, mask=row_ok)
     else:
         o_ptrs = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dmask)
 
 
 @triton.jit
-def _merge_splits_kernel(Out, PartO, PartLse, num_heads, num_splits, stride_ot, stride_oh,
+def _merge_splits_kernel(Out, Part, num_heads, num_splits, lse_offset, stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -153,9 +153,9 @@ def _merge_splits_kernel(Out, PartO, PartLse, num_heads, num_splits, stride_ot, 
     offs_d = tl.arange(0, D_PAD)
     row = (t * num_heads + h) * num_splits + offs_s
     s_ok = offs_s < num_splits
-    lse = tl.load(PartLse + row, mask=s_ok, other=float("-inf"))           # [S]
+    lse = tl.load(Part + lse_offset + row, mask=s_ok, other=float("-inf"))  # [S]
     w = tl.math.exp2(lse - tl.max(lse, 0))   # split 0 holds key 0, which every query sees: max finite
-    o = tl.load(PartO + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.load(Part + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -185,6 +185,14 @@ def _store_kv_kernel(Kin, Vin, KC, VC, Slots, num_kv_heads,
 
 
 # --- host side --------------------------------------------------------------------------------
+# Everything below runs on every eager call (a CUDA graph replays none of it), so the plan is a
+# cached function of host ints and a split call makes one allocation.
+
+SMEM_BUDGET = 200 * 1024   # of the H100/H200's 227 KiB per block: room for Triton's layout scratch
+LONG_KEYS = 2048           # keys per program from which 128-key tiles win (H200 sweep, notes)
+SLOTS_PER_SM = 2           # programs of the default tiles resident per SM (shared memory bound)
+SPLIT_SLACK = 1.1          # take the fewest splits within 10% of the best modelled time
+
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
@@ -197,8 +205,14 @@ def _d_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
 
 
-def tile_config(group: int, max_query_len: int, head_dim: int) -> dict:
-    """BLOCK_M (query rows = tokens x heads of a KV group), BLOCK_N (keys), warps, stages."""
+def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program: int = 0,
+                elem_size: int = 2) -> dict:
+    """BLOCK_M (query rows = tokens x heads of a KV group), BLOCK_N (keys), warps, stages.
+
+    Short queries stream the cache: a program with >= LONG_KEYS keys to read takes 128-key tiles
+    (fewer loop trips and page-table loads per byte); short splits keep 64 (a deep pipeline of wide
+    tiles is mostly fill and drain there). The first (BLOCK_N, stages) whose K/V stages and Q tile
+    fit SMEM_BUDGET wins, so fp32 caches fall back to narrower tiles."""
     d_pad = _d_pad(head_dim)
     rows = triton.next_power_of_2(max_query_len * group)
     floor_m = max(16, triton.next_power_of_2(group))   # tl.dot wants M >= 16; one token's heads fit
@@ -206,34 +220,66 @@ def tile_config(group: int, max_query_len: int, head_dim: int) -> dict:
         block_m, warps = max(floor_m, rows), 4
     else:
         block_m, warps = max(floor_m, 128 if rows >= 256 else 64), 8 if rows >= 256 else 4
-    block_n = 64 if d_pad <= 128 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=3 if d_pad <= 128 else 2)
+    if d_pad > 128:
+        prefs = [(32, 2), (16, 2)]
+    elif block_m <= 64 and keys_per_program >= LONG_KEYS:
+        prefs = [(128, 3), (64, 3), (64, 2), (32, 2)]
+    else:
+        prefs = [(64, 3), (64, 2), (32, 2), (16, 2)]
+    for block_n, stages in prefs:
+        if (2 * stages * block_n + block_m) * d_pad * elem_size <= SMEM_BUDGET:
+            break
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def choose_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
-    """KV splits so that about 4 programs per SM stream the cache, none shorter than
-    MIN_KEYS_PER_SPLIT keys."""
-    if num_programs >= 2 * num_sms:
+    """KV splits per (sequence, KV head, query tile), from a wave model of the GPU.
+
+    Each SM holds SLOTS_PER_SM programs; a call lasts ceil(programs x S / slots) waves of programs
+    that each read 1/S of the keys, i.e. ceil(P S / slots) / S full-context waves. S = 1 above 3
+    programs per SM (balanced enough, no merge); otherwise the fewest splits within SPLIT_SLACK of
+    the best time, never under MIN_KEYS_PER_SPLIT keys. H200 data behind it (notes/attention.md):
+    B=1 ctx 8192 32 heads ran best at S=8 (256 programs, 1.94 waves) not 17 (4.1 waves: the 5th
+    mostly idle); B=8 x 32 heads (256 programs) at S=1, not 3."""
+    if num_programs >= 3 * num_sms:
         return 1
-    want = math.ceil(4 * num_sms / num_programs)
-    return max(1, min(want, math.ceil(max_context_len / MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    max_s = max(1, min(MAX_SPLITS, math.ceil(max_context_len / MIN_KEYS_PER_SPLIT)))
+    slots = SLOTS_PER_SM * num_sms
+    cost = [math.ceil(num_programs * s / slots) / s for s in range(1, max_s + 1)]
+    best = min(cost)
+    return next(s for s, c in enumerate(cost, 1) if c <= SPLIT_SLACK * best)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
+          max_context_len: int, num_sms: int, elem_size: int, num_splits: int | None,
+          config: tuple) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages, QT, n_qtiles, splits); config: sorted override items."""
+    group = num_heads // num_kv_heads
+    over = dict(config)
+    block_m = over.get("BLOCK_M", tile_config(group, max_query_len, head_dim)["BLOCK_M"])
+    qt = block_m // group
+    if qt < 1:
+        raise ValueError(f"BLOCK_M {block_m} is smaller than the query group {group}")
+    n_qtiles = triton.cdiv(max_query_len, qt)
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len, num_sms)
+    tile = {**tile_config(group, max_query_len, head_dim, triton.cdiv(max_context_len, num_splits),
+                          elem_size), **over}
+    return (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_warps"], tile["num_stages"], qt, n_qtiles,
+            num_splits)
 
 
 def launch_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
                 max_context_len: int, device: torch.device, num_splits: int | None = None,
-                config: dict | None = None) -> dict:
+                config: dict | None = None, elem_size: int = 2) -> dict:
     """Tile config, query tiles per sequence and KV splits: everything the grid depends on, from
     host values alone (a CUDA-graph bucket fixes max_query_len and the split count)."""
-    group = num_heads // num_kv_heads
-    plan = {**tile_config(group, max_query_len, head_dim), **(config or {})}
-    qt = plan["BLOCK_M"] // group
-    if qt < 1:
-        raise ValueError(f"BLOCK_M {plan['BLOCK_M']} is smaller than the query group {group}")
-    n_qtiles = triton.cdiv(max_query_len, qt)
-    if num_splits is None:
-        num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len,
-                                   _num_sms(torch.device(device)))
-    return {**plan, "QT": qt, "n_qtiles": n_qtiles, "num_splits": num_splits}
+    plan = _plan(num_seqs, num_heads, num_kv_heads, head_dim, max_query_len, max_context_len,
+                 _num_sms(torch.device(device)), elem_size, num_splits,
+                 tuple(sorted((config or {}).items())))
+    return dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "QT", "n_qtiles", "num_splits"),
+                    plan))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -265,27 +311,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * page
-    plan = launch_plan(b, h, hkv, d, max_query_len, max_context_len, q.device, num_splits, config)
-    num_splits, block_m, block_n = plan["num_splits"], plan["BLOCK_M"], plan["BLOCK_N"]
-    upcast = (q.device.type == "cpu" or k_cache.dtype == torch.float32) if _upcast is None else _upcast
+    device = q.device
+    block_m, block_n, warps, stages, qt, n_qtiles, num_splits = _plan(
+        b, h, hkv, d, max_query_len, max_context_len, _num_sms(device), k_cache.element_size(),
+        num_splits, tuple(sorted(config.items())) if config else ())
+    upcast = (device.type == "cpu" or k_cache.dtype == torch.float32) if _upcast is None else _upcast
     d_pad = _d_pad(d)
     split = num_splits > 1
-    if split:
-        part_o = torch.empty((t, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((t, h, num_splits), dtype=torch.float32, device=q.device)
+    if split:  # one fp32 workspace: partial outputs [T, H, S, D_PAD], then their log2-sum-exp [T, H, S]
+        lse_offset = t * h * num_splits * d_pad
+        part = torch.empty(lse_offset + t * h * num_splits, dtype=torch.float32, device=device)
     else:
-        part_o = part_lse = out  # never touched: the SPLIT branch is compiled out
-    _paged_attention_kernel[(b, hkv, plan["n_qtiles"] * num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, block_tables, context_lens, query_start_loc,
-        scale * LOG2E, h, num_splits,
+        part, lse_offset = out, 0  # never touched: the SPLIT branch is compiled out
+    _paged_attention_kernel[(b, hkv, n_qtiles * num_splits)](
+        q, k_cache, v_cache, out, part, block_tables, context_lens, query_start_loc,
+        scale * LOG2E, h, num_splits, lse_offset,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
-        G=h // hkv, QT=plan["QT"], PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, UPCAST=upcast, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT=split, UPCAST=upcast, num_warps=warps, num_stages=stages)
     if split:
         _merge_splits_kernel[(t, h)](
-            out, part_o, part_lse, h, num_splits, out.stride(0), out.stride(1),
+            out, part, h, num_splits, lse_offset, out.stride(0), out.stride(1),
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
     return out
 

@@ -8,8 +8,8 @@ import torch
 from specdec.config import CacheConfig, ModelConfig
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error
 from specdec.kernels.reference import TorchAttention, paged_attention_ref, store_kv_ref
-from specdec.kernels.triton_attention import (TritonAttention, choose_splits, launch_plan,
-                                               paged_attention, store_kv)
+from specdec.kernels.triton_attention import (SMEM_BUDGET, TritonAttention, choose_splits,
+                                               launch_plan, paged_attention, store_kv, tile_config)
 from specdec.models.loader import build_model, init_random
 from specdec.runner import ModelRunner, SeqInput
 
@@ -35,6 +35,7 @@ CASES = {
     "mha_prefill_tiles": ([2, 40], [50, 40], 4, 4, 16, 16, {"BLOCK_N": 16}, 2),
     "mqa_page_gt_tile": ([16, 3], [70, 3], 8, 1, 16, 32, {"BLOCK_N": 16, "BLOCK_M": 16}, 4),
     "more_splits_than_tiles": ([4, 1], [20, 5], 4, 2, 16, 16, {"BLOCK_N": 16}, 5),
+    "wide_key_tiles": ([1, 4], [150, 260], 4, 1, 16, 16, {"BLOCK_N": 128}, 2),
 }
 
 
@@ -112,8 +113,24 @@ def test_runner_with_triton_backend_matches_torch_backend():
 
 def test_split_heuristic_fills_the_gpu_only_when_needed():
     assert choose_splits(64 * 32, 8192, 132) == 1            # big batch: one pass, no merge
-    assert choose_splits(32, 8192, 132) == 17                # batch 1 x 32 heads: ~4 programs/SM
+    assert choose_splits(8 * 32, 2048, 132) == 1             # ~2 programs per SM already (H200: S=1 won)
+    assert choose_splits(32, 8192, 132) == 8                 # 256 programs: 1.94 waves, not 4.1 (S=17)
+    assert choose_splits(128, 8192, 132) == 2
     assert choose_splits(32, 512, 132) == 2                  # but no split under 256 keys
     assert choose_splits(8, 100, 132) == 1
     plan = launch_plan(2, 8, 2, 64, 16, 100, torch.device("cpu"))
     assert (plan["BLOCK_M"], plan["QT"], plan["n_qtiles"]) == (64, 16, 1)  # 16 tokens x 4 heads
+
+
+def test_tile_heuristic_widens_long_streams_and_fits_shared_memory():
+    cfg = tile_config(1, 1, 128, keys_per_program=8192)
+    assert (cfg["BLOCK_N"], cfg["num_stages"]) == (128, 3)   # long decode stream
+    assert tile_config(1, 1, 128, keys_per_program=512)["BLOCK_N"] == 64   # a short split
+    fp32 = tile_config(1, 1, 128, keys_per_program=8192, elem_size=4)
+    assert (2 * fp32["num_stages"] * fp32["BLOCK_N"] + fp32["BLOCK_M"]) * 128 * 4 <= SMEM_BUDGET
+    plan = launch_plan(64, 32, 8, 128, 1, 8192, torch.device("cpu"), num_splits=1)
+    assert (plan["BLOCK_N"], plan["num_splits"]) == (128, 1)
+    # Overrides win over the heuristic and are part of the cached plan's key.
+    plan = launch_plan(64, 32, 8, 128, 1, 8192, torch.device("cpu"), num_splits=1,
+                       config={"BLOCK_N": 32, "num_stages": 2})
+    assert (plan["BLOCK_N"], plan["num_stages"]) == (32, 2)
