@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from common import ROOT, hf_config
 
 from coordinator.client import AsyncClient  # noqa: E402
@@ -216,7 +218,8 @@ async def _generate(client: AsyncClient, prompt: str, timeout: float, params: di
                 rec.drafted, rec.accepted, rec.steps = u.draft_tokens, u.accepted_tokens, u.steps
         rec.done = time.perf_counter()
     except Exception as e:  # recorded, the benchmark goes on (a RESOURCE_EXHAUSTED is a result too)
-        rec.error = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"[:300]
+        detail = e.details() if isinstance(e, grpc.RpcError) and hasattr(e, "details") else e
+        rec.error = f"{type(e).__name__}: {detail}"[:300]
     return rec
 
 
