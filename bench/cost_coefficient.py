@@ -1,8 +1,9 @@
 """The cost coefficient c = t_draft(b, 1 token) / t_target(b, 1 token) (Leviathan et al. 2023, Def. 3.7)
 for three public draft shapes against the Llama-7B shape, as our runner measures it (the graphed
-single-token forward a server times), beside the weight-bytes ratio and transformers eager.
+single-token forward a server times) with the fused layer kernels and with the torch layer ops,
+beside the weight-bytes ratio and transformers eager.
 
-    python3 bench/cost_coefficient.py [--batches 1 8 32]
+    python3 bench/cost_coefficient.py [--batches 1 8 32] [--no-torch-ops] [--no-hf]
 
 Writes bench/results/cost_coefficient.json.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import traceback
 
 from common import environment, hf_config, model_config, table, write_result
 
@@ -26,9 +28,7 @@ CONTEXT = 128
 BLOCK = 16
 
 
-def ours_forward_ms(shape: str, batches: list[int]) -> tuple[dict[int, float], int]:
-    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda"))
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+def _graphed_forward_ms(model, batches: list[int]) -> dict[int, float]:
     blocks_per_seq = -(-(CONTEXT + 8) // BLOCK)
     times = {}
     for b in batches:
@@ -41,9 +41,25 @@ def ours_forward_ms(shape: str, batches: list[int]) -> tuple[dict[int, float], i
         # What a server times per decode step: copy into the graph's buffers + replay.
         times[b] = do_bench(lambda: runner.forward(batch), warmup=10, rep=100, return_mode="median")
         del runner
+    return times
+
+
+def ours_forward_ms(shape: str, batches: list[int], torch_ops: bool) -> tuple[dict, dict | None, int, str | None]:
+    """(ms per batch with the fused kernels, the same on the torch ops or None, weight bytes, error).
+    If the fused kernels fail, the error is returned and the first dict holds the torch-ops times."""
+    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda", fused_kernels=True))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    error = None
+    try:
+        fused = _graphed_forward_ms(model, batches)
+    except Exception as exc:  # keep the run useful: say why, then measure the torch ops
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"[:500]
+    model.set_fused_kernels(False)
+    unfused = _graphed_forward_ms(model, batches) if torch_ops or error else None
     del model
     torch.cuda.empty_cache()
-    return times, weight_bytes
+    return (unfused if error else fused), (unfused if torch_ops else None), weight_bytes, error
 
 
 def hf_forward_ms(shape: str, batches: list[int]) -> dict[int, float]:
@@ -76,12 +92,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-torch-ops", action="store_true", help="skip the unfused comparison")
     args = ap.parse_args()
     env = environment()
-    ours, sizes, hf = {}, {}, {}
+    ours, sizes, hf, unfused, errors = {}, {}, {}, {}, {}
     for shape in (TARGET, *DRAFTS):
-        ours[shape], sizes[shape] = ours_forward_ms(shape, args.batches)
-        print(f"ours {shape}: {ours[shape]}", flush=True)
+        ours[shape], torch_ops_ms, sizes[shape], error = ours_forward_ms(shape, args.batches,
+                                                                          not args.no_torch_ops)
+        if error:
+            errors[shape] = error
+        if torch_ops_ms:
+            unfused[shape] = torch_ops_ms
+        print(f"ours {shape}: {ours[shape]} (torch ops: {torch_ops_ms}, fused error: {error})", flush=True)
         if not args.no_hf:
             try:
                 hf[shape] = hf_forward_ms(shape, args.batches)
@@ -93,16 +115,21 @@ def main() -> int:
         for b in args.batches:
             r = {"draft": shape, "batch": b, "draft_ms": ours[shape][b], "target_ms": ours[TARGET][b],
                  "c": ours[shape][b] / ours[TARGET][b], "weight_ratio": sizes[shape] / sizes[TARGET]}
+            if shape in unfused and TARGET in unfused:
+                r["draft_ms_torch_ops"], r["target_ms_torch_ops"] = unfused[shape][b], unfused[TARGET][b]
+                r["c_torch_ops"] = unfused[shape][b] / unfused[TARGET][b]
             if b in hf.get(shape, {}) and b in hf.get(TARGET, {}):
                 r["hf_draft_ms"], r["hf_target_ms"] = hf[shape][b], hf[TARGET][b]
                 r["hf_c"] = hf[shape][b] / hf[TARGET][b]
             rows.append(r)
     result = {"benchmark": "cost_coefficient", "target": TARGET, "context": CONTEXT, "environment": env,
-              "weight_bytes": sizes, "rows": rows, "transformers_eager_ms": hf}
+              "weight_bytes": sizes, "rows": rows, "transformers_eager_ms": hf, "torch_ops_ms": unfused,
+              "fused_errors": errors}
     path = write_result("cost_coefficient", result)
     print()
     print(table(rows, [("draft", "draft", "s"), ("batch", "batch", "d"), ("draft_ms", "draft ms", ".3f"),
                        ("target_ms", "target ms", ".3f"), ("c", "c (ours)", ".3f"),
+                       ("draft_ms_torch_ops", "draft ms torch ops", ".3f"), ("c_torch_ops", "c torch ops", ".3f"),
                        ("weight_ratio", "weight ratio", ".3f"), ("hf_c", "c (HF eager)", ".2f")]))
     print(f"wrote {path}")
     return 0

@@ -1,17 +1,21 @@
 """Target-only decode on the GPU: our runner (CUDA graphs) against the HBM floor and transformers.
 
-    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128]
+    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static]
 
-For each batch size: the device time of one graphed decode forward (graph replay), the tokens/s of
-a full greedy loop through ModelRunner.step (host prepare + replay + argmax + one copy to the host per
-step), the floor (weight bytes / copy bandwidth measured in this run) and transformers' generate on
-the same weights with a static cache and with its default dynamic cache (both eager).
-Writes bench/results/decode.json.
+For each batch size: the device time of one graphed decode forward (graph replay) with the fused
+layer kernels and, for comparison, with the torch layer ops; the tokens/s of a full greedy loop
+through ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
+(weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
+weights. --hf-static adds transformers' static cache, which torch.compiles on first use: its warm-up
+runs the same max_new_tokens so compilation stays outside the timing, and it can take minutes.
+Writes bench/results/decode.json after our rows, then again after each comparison, so a comparison
+that fails or is killed by a time limit leaves our numbers on disk.
 """
 from __future__ import annotations
 
 import argparse
 import time
+import traceback
 
 from common import copy_bandwidth, environment, hf_config, model_config, table, write_result
 
@@ -26,7 +30,7 @@ PROMPT = 128
 BLOCK = 16
 
 
-def ours(model, batch: int, steps: int, max_len: int) -> dict:
+def ours(model, batch: int, steps: int, max_len: int, loop: bool = True) -> dict:
     blocks_per_seq = -(-(PROMPT + steps + 8) // BLOCK)
     runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, BLOCK, torch.bfloat16))
     runner.enable_cuda_graphs(max_model_len=max_len, query_lens=(1,), batch_sizes=(batch,))
@@ -40,6 +44,10 @@ def ours(model, batch: int, steps: int, max_len: int) -> dict:
     # Pure device time of a replay at this context (graph launches only).
     graph = runner.graphs.graphs[(batch, 1)].graph
     replay_ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    if not loop:
+        del runner
+        torch.cuda.empty_cache()
+        return {"replay_ms": replay_ms}
     # The whole loop a server runs per token.
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -62,8 +70,10 @@ def transformers_generate(shape: str, batch: int, new_tokens: int, cache: str | 
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if cache:
         kwargs["cache_implementation"] = cache
+    # A static cache is sized by max_new_tokens and compiled for it: warm up at the timed length.
+    warm = kwargs if cache else {**kwargs, "max_new_tokens": 4, "min_new_tokens": 4}
     with torch.no_grad():
-        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        model.generate(ids, **warm)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         model.generate(ids, **kwargs)
@@ -74,13 +84,28 @@ def transformers_generate(shape: str, batch: int, new_tokens: int, cache: str | 
     return batch * new_tokens / elapsed
 
 
+def _compare(row: dict, name: str, measure) -> None:
+    """A comparison column: its value, or None and the error (reported, never fatal to our rows)."""
+    try:
+        row[name] = measure()
+    except Exception as exc:
+        row[name] = None
+        row[name + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    torch.cuda.empty_cache()
+    print(f"{name} batch {row['batch']}: {row[name]}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-7b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--hf-tokens", type=int, default=32, help="tokens per transformers generate run")
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--hf-static", action="store_true",
+                    help="also time transformers with a static cache (torch.compile: slow to start)")
+    ap.add_argument("--no-torch-ops", action="store_true",
+                    help="skip the replay time of the same model on the torch layer ops")
     args = ap.parse_args()
     env = environment()
     bw = copy_bandwidth()
@@ -89,33 +114,54 @@ def main() -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_ms = 1e3 * weight_bytes / bw
     rows = []
+    result = {"benchmark": "decode", "shape": args.shape, "environment": env, "copy_bandwidth_GBs": bw / 1e9,
+              "weight_bytes": weight_bytes, "layer_ops": model.ops.name, "prompt_len": PROMPT,
+              "steps": args.steps, "rows": rows}
+    max_len = PROMPT + args.steps + 64
     for b in args.batches:
-        r = {"batch": b, **ours(model, b, args.steps, max_len=PROMPT + args.steps + 64)}
+        try:
+            r = {"batch": b, **ours(model, b, args.steps, max_len)}
+        except Exception as exc:
+            if model.ops.name == "torch":
+                raise
+            # Keep the run useful: record why the fused kernels failed and measure the torch ops.
+            traceback.print_exc()
+            result["fused_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            model.set_fused_kernels(False)
+            result["layer_ops"] = model.ops.name
+            r = {"batch": b, **ours(model, b, args.steps, max_len)}
         r["floor_ms"] = floor_ms
         r["frac_of_floor"] = floor_ms / r["step_ms"]
         r["replay_frac_of_floor"] = floor_ms / r["replay_ms"]
         rows.append(r)
         print(f"ours batch {b}: {r}", flush=True)
+    path = write_result("decode", result)
+    if not args.no_torch_ops and model.ops.name != "torch":
+        model.set_fused_kernels(False)  # the same weights on the unfused ops: what the kernels buy
+        for r in rows:
+            _compare(r, "replay_ms_torch_ops",
+                     lambda: ours(model, r["batch"], args.steps, max_len, loop=False)["replay_ms"])
+            if r.get("replay_ms_torch_ops"):
+                r["fused_speedup"] = r["replay_ms_torch_ops"] / r["replay_ms"]
+        write_result("decode", result)
     del model
     torch.cuda.empty_cache()
     if not args.no_hf:
+        caches = ((("hf_static_tok_s", "static"),) if args.hf_static else ()) + (("hf_eager_tok_s", None),)
         for r in rows:
-            for name, cache in (("hf_static_tok_s", "static"), ("hf_eager_tok_s", None)):
-                try:
-                    r[name] = transformers_generate(args.shape, r["batch"], args.hf_tokens, cache)
-                except Exception as exc:  # reported, not fatal: the comparison column says why
-                    r[name] = None
-                    r[name + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                print(f"{name} batch {r['batch']}: {r[name]}", flush=True)
-            r["speedup_vs_hf_static"] = r["tok_s"] / r["hf_static_tok_s"] if r.get("hf_static_tok_s") else None
-    result = {"benchmark": "decode", "shape": args.shape, "environment": env, "copy_bandwidth_GBs": bw / 1e9,
-              "weight_bytes": weight_bytes, "prompt_len": PROMPT, "steps": args.steps, "rows": rows}
-    path = write_result("decode", result)
+            for name, cache in caches:
+                _compare(r, name, lambda: transformers_generate(args.shape, r["batch"], args.hf_tokens, cache))
+                write_result("decode", result)
+            for name, _ in caches:
+                r["speedup_vs_" + name.removesuffix("_tok_s")] = r["tok_s"] / r[name] if r.get(name) else None
+        write_result("decode", result)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step")
     print(table(rows, [("batch", "batch", "d"), ("replay_ms", "replay ms", ".2f"), ("step_ms", "step ms", ".2f"),
                        ("floor_ms", "floor ms", ".2f"), ("frac_of_floor", "frac floor", ".2f"),
-                       ("tok_s", "tok/s", ".0f"), ("hf_static_tok_s", "HF static tok/s", ".0f"),
-                       ("hf_eager_tok_s", "HF eager tok/s", ".0f"), ("speedup_vs_hf_static", "x HF static", ".1f")]))
+                       ("replay_ms_torch_ops", "torch-ops replay ms", ".2f"), ("fused_speedup", "x fused", ".2f"),
+                       ("tok_s", "tok/s", ".0f"), ("hf_eager_tok_s", "HF eager tok/s", ".0f"),
+                       ("speedup_vs_hf_eager", "x HF eager", ".1f"), ("hf_static_tok_s", "HF static tok/s", ".0f"),
+                       ("speedup_vs_hf_static", "x HF static", ".1f")]))
     print(f"wrote {path}")
     return 0
 

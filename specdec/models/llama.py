@@ -53,6 +53,39 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class TorchLayerOps:
+    """The decoder layer's elementwise steps in plain torch: the CPU path, and the reference that
+    kernels/fused.FusedLayerOps (the CUDA path) is tested against. LlamaModel holds one of the two,
+    chosen at build, and hands it to every layer."""
+
+    name = "torch"
+
+    @staticmethod
+    def cos_sin(rotary: Rotary, positions, dtype):
+        return rotary.cos_sin(positions, dtype)                              # [T, D] each
+
+    @staticmethod
+    def add_rmsnorm(x, residual, norm: RMSNorm):
+        """(norm(residual + x), residual + x); with no residual yet (the first layer), (norm(x), x)."""
+        if residual is not None:
+            x = residual + x
+        return norm(x), x
+
+    @staticmethod
+    def rope_store(q, k, v, cos, sin, kv_layer, batch, backend):
+        """RoPE of q [T, H, D] and k [T, Hkv, D]; k and v go into the layer's KV cache. Returns q."""
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_layer
+        backend.store(k, v, k_cache, v_cache, batch)
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)                                  # [T, I] each
+        return F.silu(gate) * up
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x @ W_shard^T) + b: the bias is added once, after the reduction."""
 
@@ -79,14 +112,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
 
-    def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend, ops) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = ops.rope_store(q.view(t, self.num_heads, self.head_dim),
+                           k.view(t, self.num_kv_heads, self.head_dim),
+                           v.view(t, self.num_kv_heads, self.head_dim), cos, sin, kv_layer, batch, backend)
         k_cache, v_cache = kv_layer
-        backend.store(k, v, k_cache, v_cache, batch)
         out = backend.attend(q, k_cache, v_cache, batch, self.scale)         # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -98,9 +130,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,22 +142,37 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, cos, sin, kv_layer, batch, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_layer, batch, backend, ops):
+        """x: this layer's input, or the previous layer's MLP output with `residual` the stream it is
+        still to be added to (None before the first layer): the add is fused into the next norm.
+        Returns (MLP output, residual stream)."""
+        h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm)
+        h = self.self_attn(h, cos, sin, kv_layer, batch, backend, ops)
+        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), fused_kernels: bool = False):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.set_fused_kernels(fused_kernels)
         # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Triton kernels for norm/RoPE/KV store/SiLU (CUDA) or the torch ops (any device). Choose before
+        capturing CUDA graphs: a graph keeps the ops it was captured with."""
+        if enabled:
+            from specdec.kernels.fused import FusedLayerOps  # Triton is imported only when asked for
+            self.ops = FusedLayerOps()
+        else:
+            self.ops = TorchLayerOps()
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -135,9 +181,12 @@ class LlamaModel(nn.Module):
     def forward(self, batch: "ForwardBatch", kv: "KVCache", backend) -> torch.Tensor:
         """Returns logits [len(batch.logits_indices), vocab] in float32."""
         x = self.embed_tokens(batch.input_ids)                               # [T, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = self.ops.cos_sin(self.rotary, batch.positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.layer(i), batch, backend)
-        x = self.norm(x[batch.logits_indices])                               # [N, hidden]
+            x, residual = layer(x, residual, cos, sin, kv.layer(i), batch, backend, self.ops)
+        rows = batch.logits_indices
+        last = None if residual is None else residual[rows]
+        x, _ = self.ops.add_rmsnorm(x[rows], last, self.norm)               # [N, hidden]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()

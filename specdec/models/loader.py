@@ -17,10 +17,13 @@ class CheckpointError(ValueError):
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                tp: TensorParallel = TensorParallel()) -> LlamaModel:
-    """An uninitialised model (weights are whatever memory held) on device in dtype."""
+                tp: TensorParallel = TensorParallel(), fused_kernels: bool | None = None) -> LlamaModel:
+    """An uninitialised model (weights are whatever memory held) on device in dtype. fused_kernels:
+    Triton norm/RoPE/SiLU kernels; None = on CUDA devices only."""
+    if fused_kernels is None:
+        fused_kernels = torch.device(device).type == "cuda"
     with torch.device("meta"):
-        model = LlamaModel(cfg, tp)
+        model = LlamaModel(cfg, tp, fused_kernels)
     return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
 
 
@@ -113,10 +116,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str) -> bool:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               tp: TensorParallel = TensorParallel()) -> tuple[LlamaModel, ModelConfig]:
+               tp: TensorParallel = TensorParallel(),
+               fused_kernels: bool | None = None) -> tuple[LlamaModel, ModelConfig]:
     path = Path(path)
     cfg = ModelConfig.from_path(path)
-    model = build_model(cfg, dtype, device, tp)
+    model = build_model(cfg, dtype, device, tp, fused_kernels)
     expected = expected_tensor_names(cfg)
     seen: set[str] = set()
     with torch.no_grad():

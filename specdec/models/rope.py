@@ -43,6 +43,12 @@ class Rotary(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)                               # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cos_sin_half(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2] in float32: the same values as cos_sin's halves before the cast, in 3
+        kernels instead of 7 (kernels/fused.rope_store rounds them to the model dtype itself)."""
+        freqs = positions[:, None] * self.inv_freq[None, :]                  # int64 * fp32 -> fp32
+        return freqs.cos(), freqs.sin()
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; cos, sin: [T, D]. Half-split rotation (the Hugging Face Llama layout)."""

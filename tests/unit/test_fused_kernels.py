@@ -1,0 +1,173 @@
+"""Fused layer kernels (kernels/fused.py) against the torch path (models/llama.TorchLayerOps): on the
+CPU under TRITON_INTERPRET=1 (conftest sets it), fp32 and bf16, small shapes; on the GPU the kernels
+and a tiny model's logits with fused kernels against the same model on the torch ops."""
+import pytest
+import torch
+
+from specdec.config import CacheConfig, ModelConfig, RopeConfig
+from specdec.kernels.fused import FusedLayerOps, add_rmsnorm, rope_store, silu_mul
+from specdec.kernels.reference import store_kv_ref
+from specdec.models.llama import RMSNorm, TorchLayerOps
+from specdec.models.loader import build_model, init_random
+from specdec.models.rope import Rotary, apply_rotary
+from specdec.runner import ModelRunner, SeqInput
+
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16: the kernels round where torch does, so only reduction order and exp/rsqrt differ (1 ulp).
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def same_roundings(dtype, device):
+    """Tolerance where the kernel rounds exactly where torch does. fp32: fma contraction may move the
+    last bit. bf16: exact on the GPU (round-to-nearest), but the interpreter truncates fp32 -> bf16,
+    so on the CPU allow a few ulps."""
+    if dtype == torch.float32:
+        return dict(rtol=2e-6, atol=2e-6)
+    return dict(rtol=0, atol=0) if device == "cuda" else dict(rtol=2e-2, atol=2e-2)
+
+
+def _norm(n, dtype, device, gen):
+    norm = RMSNorm(n, 1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(n, generator=gen))
+    return norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm_matches_torch(device, dtype, with_residual):
+    gen = torch.Generator().manual_seed(1)
+    t, n = 5, 48  # n not a power of two: masked columns
+    norm = _norm(n, dtype, device, gen)
+    x = torch.randn(t, n, generator=gen).to(device, dtype)
+    res = torch.randn(t, n, generator=gen).to(device, dtype) if with_residual else None
+    got, got_res = add_rmsnorm(x, res, norm.weight, norm.eps)
+    want, want_res = TorchLayerOps.add_rmsnorm(x, res, norm)
+    assert got.dtype == want.dtype and got_res.dtype == want_res.dtype
+    torch.testing.assert_close(got_res, want_res, **same_roundings(dtype, device))
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_matches_torch(device, dtype):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (3 * torch.randn(4, 2 * 40, generator=gen)).to(device, dtype)
+    torch.testing.assert_close(silu_mul(gate_up), TorchLayerOps.silu_mul(gate_up), **TOL[dtype])
+
+
+def _qkv(t, h, hkv, d, dtype, device, gen):
+    """q, k, v as the model makes them: strided views of one qkv projection output."""
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (3, 3, 12)], ids=["gqa-d16", "mha-d12-pad"])
+@pytest.mark.parametrize("half_fp32", [False, True], ids=["cos-full", "cos-half-fp32"])
+def test_rope_store_matches_torch(device, dtype, heads, half_fp32):
+    h, hkv, d = heads
+    gen = torch.Generator().manual_seed(3)
+    t, nb, bs = 6, 5, 4
+    q, k, v = _qkv(t, h, hkv, d, dtype, device, gen)
+    positions = torch.tensor([0, 1, 2, 7, 300, 4095], device=device)
+    rotary = Rotary(RopeConfig(), d).to(device)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    table = rotary.cos_sin_half(positions) if half_fp32 else (cos, sin)
+    slots = torch.tensor([3, -1, 0, 17, 9, 12], device=device)  # -1: a padding token, no store
+    caches = [torch.zeros(nb, bs, hkv, d, dtype=dtype, device=device) for _ in range(4)]
+    got_q = rope_store(q, k, v, *table, caches[0], caches[1], slots)
+    want_q = apply_rotary(q, cos, sin)
+    keep = slots >= 0
+    store_kv_ref(apply_rotary(k, cos, sin)[keep], v[keep], caches[2], caches[3], slots[keep])
+    exact = same_roundings(dtype, device)
+    torch.testing.assert_close(got_q, want_q, **exact)
+    torch.testing.assert_close(caches[0], caches[2], **exact)
+    assert torch.equal(caches[1], caches[3])
+
+
+def test_rope_store_rejects_mismatched_cache():
+    q, k, v = _qkv(2, 4, 2, 16, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    cos = sin = torch.ones(2, 16)
+    cache = torch.zeros(3, 4, 4, 16)  # 4 KV heads, k has 2
+    with pytest.raises(ValueError, match="caches"):
+        rope_store(q, k, v, cos, sin, cache, cache, torch.tensor([0, 1]))
+
+
+def tiny_config(**kw):
+    base = dict(architecture="LlamaForCausalLM", vocab_size=61, hidden_size=64, intermediate_size=96,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=512)
+    return ModelConfig(**{**base, **kw})
+
+
+STEPS = [
+    [SeqInput("a", [1, 2, 3, 4, 5]), SeqInput("b", list(range(7, 18)), num_logits=3)],  # prefill
+    [SeqInput("a", [9]), SeqInput("b", [4])],                                          # decode
+    [SeqInput("a", [11, 12, 13, 14], num_logits=4), SeqInput("b", [6])],                # verify
+]
+
+
+def run_steps(runner):
+    for s in ("a", "b"):
+        runner.add_sequence(s)
+    return [torch.cat(runner.step(items)) for items in STEPS]
+
+
+def new_runner(model, dtype):
+    return ModelRunner(model, CacheConfig(num_blocks=32, block_size=4, dtype=dtype))
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_cpu_models_keep_the_torch_path():
+    assert isinstance(build_model(tiny_config(), torch.float32, "cpu").ops, TorchLayerOps)
+
+
+def test_model_with_fused_ops_matches_torch_ops_on_cpu():
+    """The whole layer wiring (residual pattern, final norm, KV store inside rope_store) through the
+    interpreter: fp32, one tiny model, both op sets."""
+    model = init_random(build_model(tiny_config(), torch.float32, "cpu", fused_kernels=False), std=0.1)
+    want = run_steps(new_runner(model, torch.float32))
+    model.set_fused_kernels(True)
+    assert isinstance(model.ops, FusedLayerOps)
+    got = run_steps(new_runner(model, torch.float32))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", [tiny_config(), tiny_config(hidden_size=256, intermediate_size=688, num_heads=8,
+                                                            num_kv_heads=8, head_dim=32, num_layers=3)],
+                         ids=["gqa", "mha"])
+def test_fused_logits_match_torch_ops_on_cuda(dtype, cfg):
+    model = init_random(build_model(cfg, dtype, "cuda"), std=0.05)
+    assert isinstance(model.ops, FusedLayerOps)  # the CUDA default
+    got = run_steps(new_runner(model, dtype))
+    model.set_fused_kernels(False)
+    want = run_steps(new_runner(model, dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert rel_err(g, w) < tol, (dtype, rel_err(g, w))
+
+
+@pytest.mark.gpu
+def test_fused_graphed_decode_matches_eager_torch_ops():
+    """Graph capture with the fused kernels (padding tokens with slot -1) gives the eager torch logits."""
+    cfg = tiny_config()
+    model = init_random(build_model(cfg, torch.bfloat16, "cuda"), std=0.05)
+    runner = new_runner(model, torch.bfloat16)
+    runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
+    got = run_steps(runner)
+    assert runner.graphs.replays > 0
+    model.set_fused_kernels(False)
+    want = run_steps(new_runner(model, torch.bfloat16))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-2
