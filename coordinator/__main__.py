@@ -16,6 +16,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--draft", default=None, help="draft server address host:port (omit: no speculation)")
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--metrics-port", type=int, default=d["metrics_port"].default,
+                   help="Prometheus /metrics port (compose: 9400); 0 picks a free port (logged); "
+                        "-1 (default): no endpoint")
     p.add_argument("--tokenizer", default=None,
                    help="folder with tokenizer.json (default: the target's model folder)")
     p.add_argument("--max-batch-size", type=int, default=d["max_batch_size"].default)
@@ -46,11 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return 2
+    from prometheus_client import CollectorRegistry, disable_created_metrics
+
     from coordinator.app import IncompatibleModels
     from coordinator.service import serve
     from coordinator.tokenizer import TokenizerError
+    from specdec.metrics import CoordinatorMetrics
+    disable_created_metrics()  # no *_created series: half the exposition, nothing a panel reads
+    metrics = CoordinatorMetrics(CollectorRegistry(), max_positions=config.max_num_draft)
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, metrics))
     except (IncompatibleModels, TokenizerError, ConnectionError) as e:
         logging.getLogger("specdec.coordinator").error("%s", e)
         print(f"coordinator: {e}", file=sys.stderr)

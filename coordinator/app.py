@@ -11,10 +11,10 @@ from coordinator.scheduler import KVCapacity, Scheduler
 from coordinator.sequence import GenParams, Sequence
 from coordinator.servers import ModelServer
 from coordinator.spec_loop import SpecLoop
-from coordinator.stats import SpecStats
 from coordinator.tokenizer import TextTokenizer
 from coordinator.validation import Limits
 from protos import specdec_pb2 as pb
+from specdec.metrics import CoordinatorMetrics
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -52,18 +52,19 @@ def _capacity(name: str, info: pb.ModelInfo) -> KVCapacity:
 
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, tokenizer: TextTokenizer, target: ModelServer,
-                 draft: ModelServer | None, target_info: pb.ModelInfo, draft_info: pb.ModelInfo | None):
+                 draft: ModelServer | None, target_info: pb.ModelInfo, draft_info: pb.ModelInfo | None,
+                 metrics: CoordinatorMetrics):
         self.config, self.tokenizer = config, tokenizer
         self.target, self.draft = target, draft
         self.target_info, self.draft_info = target_info, draft_info
-        self.stats = SpecStats()
+        self.metrics = metrics
         self.limits = Limits(vocab_size=target_info.vocab_size, max_model_len=target_info.max_model_len,
                              max_num_draft=config.max_num_draft,
                              eos_token_ids=frozenset(target_info.eos_token_ids))
         self.scheduler = Scheduler(config.max_batch_size, config.max_waiting,
                                    _capacity("target", target_info),
                                    _capacity("draft", draft_info) if draft_info else None)
-        self.loop = SpecLoop(config, self.scheduler, target, draft, self.stats,
+        self.loop = SpecLoop(config, self.scheduler, target, draft, metrics,
                              vocab_size=target_info.vocab_size,
                              draft_max_len=draft_info.max_model_len if draft_info else 0,
                              check_draft=self._check_draft if draft else None)
@@ -71,12 +72,12 @@ class Coordinator:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
+    async def connect(cls, config: CoordinatorConfig, metrics: CoordinatorMetrics) -> "Coordinator":
         """Waits for the servers and checks that draft, target and tokenizer agree. The target is
         required; a draft that does not answer is tried again in the background (the draft is
         optional), but a draft that answers with another vocabulary is a start-up error."""
-        target = ModelServer("target", config.target)
-        draft = ModelServer("draft", config.draft) if config.draft else None
+        target = ModelServer("target", config.target, metrics)
+        draft = ModelServer("draft", config.draft, metrics) if config.draft else None
         waits = [target.wait_ready(config.connect_timeout_s)]
         if draft is not None:
             waits.append(draft.wait_ready(config.connect_timeout_s))
@@ -94,7 +95,7 @@ class Coordinator:
                 check_draft_compatible(target_info, draft_info)
         tokenizer = TextTokenizer(config.tokenizer or target_info.model_name)
         check_tokenizer_compatible(target_info, tokenizer)
-        coord = cls(config, tokenizer, target, draft, target_info, draft_info)
+        coord = cls(config, tokenizer, target, draft, target_info, draft_info, metrics)
         if draft is not None and draft_info is None:
             coord.loop.draft_up = True  # so that set_draft_down starts the probe
             coord.loop.set_draft_down("not reachable at start-up")

@@ -40,11 +40,12 @@ def _generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     sys.stdout.write("\n")
     usage = last.usage if last else None
-    alpha = f"{usage.alpha:.2f}" if usage and usage.alpha is not None else "-"
+    ratio = usage.acceptance_ratio if usage else None
+    accepted = f"{ratio:.2f}" if ratio is not None else "-"
     tau = f"{1 + usage.accepted_tokens / usage.steps:.2f}" if usage and usage.steps else "-"
     ttft = f"{(first - t0) * 1000:.0f}ms" if first else "-"
-    print(f"[{tokens} tokens, finish={last.finish_reason if last else '-'}, alpha={alpha}, tau={tau}, "
-          f"{tokens / elapsed:.1f} tok/s, ttft={ttft}]", file=sys.stderr)
+    print(f"[{tokens} tokens, finish={last.finish_reason if last else '-'}, accepted/drafted={accepted}, "
+          f"tau={tau}, {tokens / elapsed:.1f} tok/s, ttft={ttft}]", file=sys.stderr)
     return 0
 
 
@@ -64,6 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
                            server_args=args.server_arg or ()) as cluster:
             print(f"specdec: target {cluster.target}, draft {cluster.draft or '-'}; coordinator ready at "
                   f"{cluster.coordinator} (logs in {cluster.log_dir}); Ctrl-C stops all", file=sys.stderr)
+            print("specdec: Prometheus /metrics at " + ", ".join(
+                f"{role} {address}" for role, address in sorted(cluster.metrics.items())), file=sys.stderr)
             while all(p.popen.poll() is None for p in cluster.procs.values()):
                 time.sleep(0.5)
             dead = [p for p in cluster.procs.values() if p.popen.poll() is not None]

@@ -30,7 +30,11 @@ class Usage:
     steps: int
 
     @property
-    def alpha(self) -> float | None:
+    def acceptance_ratio(self) -> float | None:
+        """accepted / drafted tokens (DESIGN's α; the gauge specdec_acceptance_ratio). Leviathan's
+        per-token α, accepted / (accepted + rejections), is the gauge specdec_alpha: the usage has
+        no rejection count, and accepted / drafted reads lower (tokens after a rejection are
+        never tested)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
 

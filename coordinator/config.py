@@ -16,6 +16,7 @@ class CoordinatorConfig:
     draft: str | None = None          # draft server address; None: plain decoding only
     host: str = "[::]"
     port: int = 50050
+    metrics_port: int = -1            # Prometheus /metrics; 0: a free port (logged); -1: none
     tokenizer: str | None = None      # folder or tokenizer.json; None: the target's model folder
     max_batch_size: int = 32          # sequences in one step
     max_waiting: int = 64             # admitted requests queued behind a full batch
@@ -33,6 +34,8 @@ class CoordinatorConfig:
             raise ConfigError("target: an address host:port is required")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
         for name in ("max_batch_size", "max_num_draft", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

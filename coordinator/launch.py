@@ -4,6 +4,9 @@ Used by `specdec serve`, by the integration tests and by the demo:
 
     with local_cluster(target_path, draft_path, device="cpu") as cluster:
         Client(cluster.coordinator)...
+        cluster.metrics["coordinator"]  # "127.0.0.1:PORT" of its Prometheus /metrics
+
+Every process gets a free loopback port for gRPC and one for /metrics.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class Proc:
     log_path: Path
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    metrics_address: str | None = None  # host:port of its /metrics
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -58,6 +62,7 @@ class Cluster:
     coordinator: str
     procs: dict[str, Proc] = field(default_factory=dict)
     log_dir: Path | None = None
+    metrics: dict[str, str] = field(default_factory=dict)  # role -> host:port of its /metrics
 
 
 def wait_healthy(proc: Proc, timeout: float) -> None:
@@ -87,8 +92,10 @@ def _spawn(name: str, module: str, args: Sequence[str], port: int, log_dir: Path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = log_dir / f"{name}.log"
-    argv = [sys.executable, "-m", module, *args]
-    return _start(Proc(name, f"127.0.0.1:{port}", None, log_path, argv, env))
+    metrics_port = free_port()
+    argv = [sys.executable, "-m", module, *args, "--metrics-port", str(metrics_port)]
+    return _start(Proc(name, f"127.0.0.1:{port}", None, log_path, argv, env,
+                       metrics_address=f"127.0.0.1:{metrics_port}"))
 
 
 def _start(proc: Proc) -> Proc:
@@ -167,4 +174,5 @@ def local_cluster(target: str | Path, draft: str | Path | None, *, device: str =
         procs.insert(0, coord)  # stopped first: it releases the servers' KV on the way out
         wait_healthy(coord, startup_timeout)
         yield Cluster(target=procs[1].address, draft=d_proc.address if d_proc else None,
-                      coordinator=coord.address, procs={p.name: p for p in procs}, log_dir=log_dir)
+                      coordinator=coord.address, procs={p.name: p for p in procs}, log_dir=log_dir,
+                      metrics={p.name.removesuffix("_server"): p.metrics_address for p in procs})

@@ -86,6 +86,7 @@ class Sequence:
     reserved_draft: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0               # steps that ended at a rejected draft token
     steps: int = 0
     done: bool = False                # finished, aborted or cancelled: no more chunks
     cancelled: bool = False

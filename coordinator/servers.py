@@ -7,12 +7,14 @@ order. A stream that fails is dropped and reopened on the next step.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec.metrics import CoordinatorMetrics
 
 # Dense fp16 draft probabilities of a large vocabulary and batch run to tens of MB per step.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -32,11 +34,26 @@ def unpack_tokens(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
 
 
+def status_name(e: BaseException) -> str:
+    """The gRPC status a failed call counts under in specdec_errors_total."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return e.code().name
+    if isinstance(e, asyncio.TimeoutError):
+        return "DEADLINE_EXCEEDED"
+    if isinstance(e, ConnectionError):
+        return "UNAVAILABLE"
+    return "INTERNAL"
+
+
 class ModelServer:
-    def __init__(self, role: str, address: str):
+    """One model server as the coordinator sees it. Step and Release round trips go into
+    specdec_rpc_seconds{role="coordinator"}, their failures into specdec_errors_total."""
+
+    def __init__(self, role: str, address: str, metrics: CoordinatorMetrics | None = None):
         if role not in ("draft", "target"):
             raise ValueError(f"role: expected draft or target, got {role!r}")
-        self.role, self.address = role, address
+        self.role, self.address, self.metrics = role, address, metrics
+        self.rpc = "Propose" if role == "draft" else "Verify"
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = pb_grpc.DraftStub if role == "draft" else pb_grpc.TargetStub
         self.stub = stub_cls(self.channel)
@@ -59,10 +76,27 @@ class ModelServer:
                 await asyncio.sleep(0.2)
 
     async def release(self, seq_ids, timeout: float = 5.0) -> pb.ReleaseResponse:
-        return await self.stub.Release(pb.ReleaseRequest(seq_ids=sorted(seq_ids)), timeout=timeout)
+        t0 = time.perf_counter()
+        try:
+            response = await self.stub.Release(pb.ReleaseRequest(seq_ids=sorted(seq_ids)), timeout=timeout)
+        except Exception as e:
+            self._failed(e)
+            raise
+        self._observe("Release", t0)
+        return response
 
     async def step(self, request, timeout: float | None = None):
         """Writes one step request on the persistent stream and reads its response."""
+        t0 = time.perf_counter()
+        try:
+            response = await self._step(request, timeout)
+        except Exception as e:
+            self._failed(e)
+            raise
+        self._observe(self.rpc, t0)
+        return response
+
+    async def _step(self, request, timeout: float | None):
         if self._call is None:
             self._call = self.stub.Propose() if self.role == "draft" else self.stub.Verify()
         try:
@@ -78,6 +112,14 @@ class ModelServer:
             self.reset()
             raise StreamBroken(f"{self.role} server answered step {response.step} to step {request.step}")
         return response
+
+    def _observe(self, rpc: str, t0: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rpc(rpc, time.perf_counter() - t0)
+
+    def _failed(self, e: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.count_error(status_name(e))
 
     def reset(self) -> None:
         if self._call is not None:

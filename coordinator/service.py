@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +18,7 @@ from coordinator.sequence import Abort, Sequence
 from coordinator.validation import InvalidRequest, validate
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec.metrics import CoordinatorMetrics, start_metrics_server
 
 log = logging.getLogger("specdec.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -36,27 +38,35 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.coord = coord
 
     async def Generate(self, request, context):
-        coord = self.coord
+        # Request metrics as the client sees them: from the call's arrival to each chunk handed to
+        # gRPC, and the status the call ends with (CANCELLED: the client went away first).
+        coord, metrics = self.coord, self.coord.metrics
+        arrival = time.perf_counter()
+        code, ttft, seq, ended = "CANCELLED", None, None, False
         try:
-            params = validate(request, coord.limits, coord.tokenizer)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        seq = coord.new_sequence(params)
-        try:
-            coord.scheduler.submit(seq)
-        except Rejected as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        ended = False
-        try:
+            try:
+                params = validate(request, coord.limits, coord.tokenizer)
+            except InvalidRequest as e:
+                code = "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            seq = coord.new_sequence(params)
+            try:
+                coord.scheduler.submit(seq)
+            except Rejected as e:
+                code = "RESOURCE_EXHAUSTED"
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             while True:
                 item = await seq.queue.get()
                 if isinstance(item, Abort):
-                    ended = True
+                    ended, code = True, _status(item.code).name
                     await context.abort(_status(item.code), item.message)
+                if ttft is None and item.token_ids:
+                    ttft = time.perf_counter() - arrival
+                    metrics.observe_first_token(ttft)
                 response = pb.GenerateResponse(text=item.text, token_ids=item.token_ids,
                                                request_id=params.request_id)
                 if item.finish is not None:
-                    ended = True
+                    ended, code = True, "OK"
                     response.finish_reason = int(item.finish)
                     response.usage.CopyFrom(_usage(seq))
                 yield response
@@ -64,8 +74,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                     return
         finally:
             # The client went away (cancel, deadline) before the end: free the KV on both servers.
-            if not ended:
+            if seq is not None and not ended:
                 coord.scheduler.cancel(seq)
+            metrics.observe_request(code, time.perf_counter() - arrival,
+                                    len(seq.output) if seq is not None else 0, ttft)
 
     async def Info(self, request, context):
         coord = self.coord
@@ -99,8 +111,21 @@ async def build_server(coord: Coordinator, address: str) -> tuple[grpc.aio.Serve
     return server, port, health_servicer
 
 
-async def serve(config: CoordinatorConfig) -> None:
-    coord = await Coordinator.connect(config)
+async def serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
+    # /metrics first: Prometheus sees the coordinator up while it waits for the servers.
+    metrics_server = start_metrics_server(config.metrics_port, metrics.registry) \
+        if config.metrics_port >= 0 else None
+    if metrics_server is not None:
+        log.info("coordinator metrics on port %d", metrics_server.port)
+    try:
+        await _serve(config, metrics)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+
+
+async def _serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
+    coord = await Coordinator.connect(config, metrics)
     server, port, health_servicer = await build_server(coord, config.address)
     coord.start()
     await server.start()

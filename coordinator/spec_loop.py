@@ -20,8 +20,9 @@ from coordinator.gamma import choose_num_draft
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Abort, Sequence
 from coordinator.servers import ModelServer, pack_tokens, unpack_tokens
-from coordinator.stats import SpecStats
 from protos import specdec_pb2 as pb
+from specdec.cost_model import WindowStats, bucket_for
+from specdec.metrics import CoordinatorMetrics
 
 log = logging.getLogger("specdec.coordinator")
 STATS_LOG_S = 30.0  # how often the loop logs its statistics while busy
@@ -45,9 +46,9 @@ def sampling_pb(seq: Sequence) -> pb.SamplingParams:
 
 class SpecLoop:
     def __init__(self, config: CoordinatorConfig, scheduler: Scheduler, target: ModelServer,
-                 draft: ModelServer | None, stats: SpecStats, *, vocab_size: int,
+                 draft: ModelServer | None, metrics: CoordinatorMetrics, *, vocab_size: int,
                  draft_max_len: int = 0, check_draft=None):
-        self.config, self.scheduler, self.stats = config, scheduler, stats
+        self.config, self.scheduler, self.metrics = config, scheduler, metrics
         self.target, self.draft = target, draft
         self.vocab_size = vocab_size
         self.draft_max_len = draft_max_len
@@ -55,24 +56,27 @@ class SpecLoop:
         self._check_draft = check_draft  # async callable: Info + compatibility, raises when not
         self._probe: asyncio.Task | None = None
         self._step_no = 0
+        self._policy_inputs: tuple[float | None, float | None] = (None, None)  # (α, c) of this step
         self._draft_orphans: set[int] = set()  # to release on the draft once it is reachable again
 
     # --- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         sched = self.scheduler
-        next_log = time.monotonic() + STATS_LOG_S
+        next_log, logged_step = time.monotonic() + STATS_LOG_S, 0
         while True:
-            if time.monotonic() >= next_log and self.stats.steps:
-                next_log = time.monotonic() + STATS_LOG_S
-                log.info("stats %s", self.stats.summary())
+            if time.monotonic() >= next_log and self._step_no > logged_step:
+                next_log, logged_step = time.monotonic() + STATS_LOG_S, self._step_no
+                log.info("stats %s", summary(self._step_no, self.metrics.stats.window()))
             await sched.wait_for_work()
+            started = time.perf_counter()
             sched.drop_cancelled()
             sched.admit()
+            self.metrics.set_running(len(sched.running))
             if not sched.running:
                 await self._release_now()
                 continue
             try:
-                await self._step(list(sched.running))
+                await self._step(list(sched.running), started)
             except Exception as e:  # a bug must not strand the clients: fail the batch, go on
                 log.exception("step failed")
                 self._abort_all(list(sched.running), grpc.StatusCode.INTERNAL, f"coordinator: {e}")
@@ -114,10 +118,11 @@ class SpecLoop:
         if not (seq.use_draft and self.draft_up):
             return 0
         cfg = self.config
+        alpha, c = self._policy_inputs
         k = choose_num_draft(requested=seq.params.num_draft, policy=cfg.gamma_policy,
                              default=cfg.num_draft, max_gamma=cfg.max_num_draft,
-                             accepted=seq.accepted, drafted=seq.drafted,
-                             global_alpha=self.stats.alpha, c=self.stats.c)
+                             accepted=seq.accepted, rejections=seq.rejections,
+                             global_alpha=alpha, c=c)
         # More drafts than tokens the sequence may still emit are wasted (the target adds one);
         # the draft server must also stay within its own length limit.
         k = min(k, seq.remaining - 1)
@@ -125,8 +130,12 @@ class SpecLoop:
             k = min(k, self.draft_max_len - seq.num_tokens)
         return max(k, 0)
 
-    async def _step(self, seqs: list[Sequence]) -> None:
+    async def _step(self, seqs: list[Sequence], started: float) -> None:
         self._step_no += 1
+        if self.config.gamma_policy == "auto":
+            stats = self.metrics.stats
+            window = stats.window()
+            self._policy_inputs = (window.alpha, stats.c.get(bucket_for(len(seqs), stats.buckets), window.c))
         plans = [self._plan(seq) for seq in seqs]
         t0 = time.perf_counter()
         draft_timing = await self._propose(plans)
@@ -147,17 +156,22 @@ class SpecLoop:
             sched.release_target.update(request.release)
             self._abort_all(seqs, grpc.StatusCode.UNAVAILABLE, f"target server failed: {_describe(e)}")
             return
-        wall = time.perf_counter() - t1
+        t2 = time.perf_counter()
         if len(response.results) != len(plans):
             self._abort_all(seqs, grpc.StatusCode.INTERNAL,
                             f"target answered {len(response.results)} results for {len(plans)} sequences")
             return
-        for p, r in zip(plans, response.results):
-            self._apply(p, r)
-        self.stats.record_step(max_draft=max(p.num_draft for p in plans),
-                               draft_wall_s=(t1 - t0) if draft_timing else None, target_wall_s=wall,
-                               draft_decode_s=draft_timing.decode_forward_seconds if draft_timing else 0.0,
-                               target_decode_s=response.timing.decode_forward_seconds)
+        outcomes = [self._apply(p, r) for p, r in zip(plans, response.results)]
+        t3 = time.perf_counter()
+        stages = {"schedule": t0 - started, "verify": t2 - t1, "emit": t3 - t2}
+        if draft_timing is not None:
+            stages["propose"] = t1 - t0
+        drafted, accepted, emitted = zip(*outcomes)
+        self.metrics.observe_step(
+            drafted, accepted, emitted, step_seconds=t3 - started, stage_seconds=stages,
+            has_prefill=any(p.partial or len(p.target_new) > 1 for p in plans),
+            draft_timing=draft_timing, target_timing=response.timing)
+        self.metrics.set_running(len(sched.running))
 
     async def _propose(self, plans: list[Plan]) -> pb.StepTiming | None:
         """The draft's part of the step; on return every plan's drafts are set (or num_draft is 0)."""
@@ -196,6 +210,7 @@ class SpecLoop:
             tokens = unpack_tokens(r.tokens)
             if r.HasField("error") or len(tokens) != p.num_draft:
                 # This sequence goes on without the draft; the rest of the batch is unaffected.
+                self.metrics.count_error(_status(r.error.code).name if r.error.code else "INTERNAL")
                 log.warning("draft failed for sequence %d: %s", p.seq.seq_id,
                             r.error.message or f"{len(tokens)} tokens for num_draft {p.num_draft}")
                 p.seq.use_draft = False
@@ -207,21 +222,25 @@ class SpecLoop:
             p.probs = r.probs if r.HasField("probs") else None
         return response.timing
 
-    def _apply(self, p: Plan, r: pb.VerifyResult) -> None:
+    def _apply(self, p: Plan, r: pb.VerifyResult) -> tuple[int, int, int]:
+        """Applies one sequence's verify result; returns its (drafted, accepted, emitted) for the
+        step's statistics, all 0 when nothing was verified (prefill chunk, error, cancelled)."""
         seq = p.seq
         if seq.done or seq.cancelled:  # cancelled while the step was in flight: retired next boundary
-            return
+            return 0, 0, 0
         if r.HasField("error") and r.error.code:
+            self.metrics.count_error(_status(r.error.code).name)
             self._abort(seq, _status(r.error.code), f"target: {r.error.message}")
-            return
+            return 0, 0, 0
         if p.partial:
             seq.target_pending = seq.target_pending[len(p.target_new):]
-            return
+            return 0, 0, 0
         if not 0 <= r.accepted <= len(p.drafts) or not 0 <= r.next_token < self.vocab_size:
+            self.metrics.count_error("INTERNAL")
             self._abort(seq, grpc.StatusCode.INTERNAL,
                         f"target returned accepted={r.accepted} next_token={r.next_token} "
                         f"for {len(p.drafts)} drafts")
-            return
+            return 0, 0, 0
         tokens = p.drafts[:r.accepted] + [r.next_token]
         seq.target_pending = [r.next_token]
         if seq.use_draft:
@@ -229,17 +248,16 @@ class SpecLoop:
         seq.steps += 1
         seq.drafted += p.num_draft
         seq.accepted += r.accepted
+        seq.rejections += r.accepted < p.num_draft
         chunk = seq.emit(tokens)
-        self.stats.record_sequence(p.num_draft, r.accepted, len(chunk.token_ids))
         if chunk.finish is not None:
             self.scheduler.retire(seq)  # leaves the batch before the client sees the end
-            self.stats.requests_finished += 1
         seq.queue.put_nowait(chunk)
+        return p.num_draft, r.accepted, len(chunk.token_ids)
 
     # --- failures and releases ---------------------------------------------------------------
     def _abort(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         self.scheduler.retire(seq)
-        self.stats.requests_failed += 1
         seq.queue.put_nowait(Abort(code.value[0], message))
 
     def _abort_all(self, seqs: list[Sequence], code: grpc.StatusCode, message: str) -> None:
@@ -263,6 +281,17 @@ class SpecLoop:
                 await server.release(batch)
             except grpc.aio.AioRpcError as e:
                 log.warning("release on the %s server failed: %s", server.role, _describe(e))
+
+
+def summary(steps: int, w: WindowStats) -> str:
+    """The periodic log line. alpha is Leviathan's per-token α (accepted / (accepted + rejections),
+    the specdec_alpha gauge); accepted/drafted is specdec_acceptance_ratio."""
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+    return (f"steps={steps} alpha={f(w.alpha)} accepted/drafted={f(w.acceptance_ratio)} "
+            f"tau={f(w.mean_accepted_length)} gamma={f(w.mean_draft_length)} c={f(w.c)} "
+            f"c_system={f(w.c_system)} expected_speedup={f(w.expected_speedup)} "
+            f"measured_speedup={f(w.measured_speedup)}")
 
 
 def _status(code: int) -> grpc.StatusCode:

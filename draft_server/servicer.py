@@ -11,6 +11,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
+    rpc_name = "Propose"
+
     async def Propose(self, request_iterator, context):
         async for response in self._steps(request_iterator):
             yield response
@@ -25,6 +27,19 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
                    for s, o in zip(request.seqs, outputs)]
         return pb.ProposeResponse(step=request.step, results=results,
                                   timing=self._finish_timing(step.timing, request, received))
+
+    def _observe_forwards(self, request: pb.ProposeRequest, response: pb.ProposeResponse) -> None:
+        # The step's first forward feeds what each sequence's KV lacks: a prompt (prefill), or the
+        # target's token (plus the last draft after a full acceptance). Later forwards feed one
+        # drafted token per sequence and come in through the engine's profile; the first one's
+        # time is what remains of the step's forward time.
+        timing = response.timing
+        served = self._served(request, response)
+        if not timing.num_forwards or not served:
+            return
+        prompt = any(len(s.new_tokens) > 4 for s in served)  # more than one int32 token id
+        first = max(timing.forward_seconds - self.runtime.decode_seconds, 0.0)
+        self.runtime.metrics.observe_forward("prefill" if prompt else "decode", len(served), first)
 
 
 def add_to_server(server, runtime: EngineRuntime) -> None:

@@ -17,8 +17,13 @@ from typing import Callable, Iterable, Sequence
 # function of the bucket, not of the exact batch size.
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Weight of a new live sample in the exponential moving averages below: ~10 steps of memory, so a
-# profile follows a change of load within a second of decoding but one slow step moves it by 10%.
+# profile follows a change of load within a second of decoding.
 DEFAULT_EMA_WEIGHT = 0.1
+# A live forward counts at most this factor away from its profile entry. One forward preempted by
+# the OS or stalled by a GC pause can take 10x its time; unclamped it would nearly double the entry
+# (and c with it). Clamped, one outlier moves the entry by at most 10% while a real change of load
+# still gets through in a few steps.
+LIVE_SAMPLE_CLAMP = 2.0
 
 
 def bucket_for(batch_size: int, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> int:
@@ -80,7 +85,7 @@ class CostProfile:
             raise ValueError(f"ema_weight must be in (0, 1], got {ema_weight}")
         self.buckets = tuple(buckets)
         self.ema_weight = ema_weight
-        self._on_update = on_update
+        self._listeners: list[Callable[[int, int, float], None]] = [on_update] if on_update else []
         self._table: dict[tuple[int, int], float] = {}
         self._lock = threading.Lock()
 
@@ -92,7 +97,8 @@ class CostProfile:
         return self._store(batch_size, query_len, statistics.median(values), replace=True)
 
     def update(self, batch_size: int, query_len: int, seconds: float) -> float:
-        """A live forward: EMA into the entry (the first sample initialises it)."""
+        """A live forward: EMA into the entry (the first sample initialises it), the sample clamped
+        to within LIVE_SAMPLE_CLAMP of the entry."""
         if seconds < 0:
             raise ValueError(f"seconds must be non-negative, got {seconds}")
         return self._store(batch_size, query_len, float(seconds), replace=False)
@@ -102,11 +108,23 @@ class CostProfile:
             raise ValueError(f"query_len must be positive, got {query_len}")
         key = (bucket_for(batch_size, self.buckets), query_len)
         with self._lock:
-            value = seconds if replace else ema(self._table.get(key), seconds, self.ema_weight)
+            old = self._table.get(key)
+            if replace or old is None:
+                value = seconds
+            else:
+                sample = min(max(seconds, old / LIVE_SAMPLE_CLAMP), old * LIVE_SAMPLE_CLAMP)
+                value = ema(old, sample, self.ema_weight)
             self._table[key] = value
-        if self._on_update is not None:
-            self._on_update(key[0], query_len, value)
+        for listener in self._listeners:
+            listener(key[0], query_len, value)
         return value
+
+    def subscribe(self, listener: Callable[[int, int, float], None]) -> None:
+        """Calls listener(bucket, query_len, seconds) on every change, starting with the entries
+        already there (so a gauge attached after warm-up still shows the warm-up profile)."""
+        self._listeners.append(listener)
+        for (bucket, query_len), seconds in self.table().items():
+            listener(bucket, query_len, seconds)
 
     def get(self, batch_size: int, query_len: int = 1) -> float | None:
         """Seconds at batch_size's bucket, or None when that bucket was never timed."""
@@ -203,6 +221,9 @@ class SpecStats:
         self.buckets = tuple(buckets)
         self.ema_weight = ema_weight
         self._window: deque[_StepRecord] = deque(maxlen=window_steps)
+        self._totals: dict[str, float] = dict.fromkeys(
+            ("drafted", "accepted", "rejections", "spec_steps", "c", "c_n", "c_system", "c_system_n",
+             "seconds", "seconds_n", "plain_equivalent", "plain_equivalent_n"), 0)
         self.c: dict[int, float] = {}
         self.verify_ratio: dict[int, float] = {}
         self._draft_token: dict[int, float] = {}
@@ -253,7 +274,7 @@ class SpecStats:
                         self._plain_estimated[b] = ema(self._plain_estimated.get(b), estimate, w)
         plain = self.plain_step_seconds(b)
         timed = any_spec and not has_prefill and plain is not None and step_seconds > 0
-        self._window.append(_StepRecord(
+        self._push(_StepRecord(
             drafted=sum(drafted), accepted=sum(accepted),
             rejections=sum(1 for a, d in zip(accepted, drafted) if a < d),
             spec_steps=sum(1 for d in drafted if d > 0), c=self.c.get(b), c_system=self.c_system(b),
@@ -261,17 +282,32 @@ class SpecStats:
             plain_equivalent=sum(emitted) / n * plain if timed else None))
         return b
 
+    def _push(self, record: _StepRecord) -> None:
+        # Running sums over the window: window() is called after every step, and summing 256
+        # records each time would cost the coordinator's step loop ~0.1 ms.
+        if len(self._window) == self._window.maxlen:
+            self._add(self._window[0], -1)
+        self._window.append(record)
+        self._add(record, 1)
+
+    def _add(self, r: _StepRecord, sign: int) -> None:
+        t = self._totals
+        for name in ("drafted", "accepted", "rejections", "spec_steps"):
+            t[name] += sign * getattr(r, name)
+        for name, value in (("c", r.c), ("c_system", r.c_system), ("seconds", r.seconds),
+                            ("plain_equivalent", r.plain_equivalent)):
+            if value is not None:
+                t[name] += sign * value
+                t[name + "_n"] += sign
+
     def window(self) -> WindowStats:
-        recs = list(self._window)
-        drafted = sum(r.drafted for r in recs)
-        accepted = sum(r.accepted for r in recs)
-        spec_steps = sum(r.spec_steps for r in recs)
-        alpha = alpha_estimate(accepted, sum(r.rejections for r in recs))
+        t = self._totals
+        drafted, accepted, spec_steps = t["drafted"], t["accepted"], t["spec_steps"]
+        alpha = alpha_estimate(accepted, t["rejections"])
         gamma = drafted / spec_steps if spec_steps else None
-        c = _mean(r.c for r in recs)
-        c_sys = _mean(r.c_system for r in recs)
-        timed = [r for r in recs if r.seconds is not None]
-        seconds = sum(r.seconds for r in timed)
+        c = t["c"] / t["c_n"] if t["c_n"] else None
+        c_sys = t["c_system"] / t["c_system_n"] if t["c_system_n"] else None
+        seconds = t["seconds"] if t["seconds_n"] else 0.0
 
         def s_hat(cost: float | None) -> float | None:
             if alpha is None or gamma is None or cost is None:
@@ -283,9 +319,5 @@ class SpecStats:
             mean_accepted_length=1.0 + accepted / spec_steps if spec_steps else None,
             mean_draft_length=gamma, c=c, c_system=c_sys,
             expected_speedup=s_hat(c), expected_speedup_system=s_hat(c_sys),
-            measured_speedup=sum(r.plain_equivalent for r in timed) / seconds if seconds > 0 else None)
+            measured_speedup=t["plain_equivalent"] / seconds if seconds > 0 else None)
 
-
-def _mean(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None

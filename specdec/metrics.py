@@ -20,11 +20,15 @@ from specdec.cost_model import (DEFAULT_BATCH_BUCKETS, DEFAULT_EMA_WEIGHT, CostP
                                 SpecStats, WindowStats, bucket_for)
 
 ROLES = ("draft", "target", "coordinator")
-# prefill: prompt (chunk) forwards; decode: one token per sequence (draft steps, plain target
-# steps; what c is defined on); verify: the target's forward over new tokens + γ drafts.
+# prefill: forwards that carry a prompt (or a prompt chunk, or a draft catching up on several
+# tokens); decode: one new token per sequence (draft steps, plain target steps; what c is defined
+# on); verify: the target's forward over its new token + γ drafts per sequence.
 PHASES = ("prefill", "decode", "verify")
 STAGES = ("schedule", "propose", "verify", "emit")
 RPCS = ("Propose", "Verify", "Release", "Info", "Generate")
+# The RPCs each process times (coordinator: its round trips to the servers; servers: handling).
+ROLE_RPCS = {"coordinator": ("Propose", "Verify", "Release"), "draft": ("Propose", "Info", "Release"),
+             "target": ("Verify", "Info", "Release")}
 # gRPC status names created at zero up front, so rate() and error-ratio queries have series to
 # work on before the first failure (Prometheus advice: avoid missing metrics).
 STATUS_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
@@ -142,8 +146,12 @@ class _ProcessMetrics:
         self.role = role
         self.registry = registry
         self._m = _build(specs, registry)
+        # Labelled series exist at zero from the start (Prometheus advice: avoid missing metrics):
+        # rate() then has a sample from before the first event, and error ratios read 0, not empty.
         for code in STATUS_CODES[1:]:
             self._m["specdec_errors_total"].labels(role=role, code=code)
+        for rpc in ROLE_RPCS[role]:
+            self._m["specdec_rpc_seconds"].labels(role=role, rpc=rpc)
         self._m["specdec_running_sequences"].labels(role=role).set(0)
 
     def observe_rpc(self, rpc: str, seconds: float) -> None:
@@ -157,10 +165,12 @@ class _ProcessMetrics:
 
 
 class ServerMetrics(_ProcessMetrics):
-    """What a model server (draft or target) exports; `profile` feeds StepTiming.decode_forward_seconds.
+    """What a model server (draft or target) exports.
 
-    The server profiles at warm-up with `profile.profile(time_one_forward, query_lens=(1, k+1))`
-    (or `profile.set_profiled`), then calls `observe_forward` for every live forward.
+    The engine owns its CostProfile (warm-up medians, then EMAs of live forwards, which it also
+    reports as StepTiming.decode_forward_seconds); `watch_profile` mirrors that profile into the
+    specdec_forward_profile_seconds gauge, so what the server reports and what Prometheus shows
+    are the same numbers. `observe_forward` feeds the forward-time histogram only.
     """
 
     def __init__(self, registry: CollectorRegistry, role: str,
@@ -169,27 +179,23 @@ class ServerMetrics(_ProcessMetrics):
         if role not in ("draft", "target"):
             raise ValueError(f"a model server's role is draft or target, got {role!r}")
         super().__init__(registry, role, SERVER_METRICS)
+        for phase in PHASES if role == "target" else ("prefill", "decode"):
+            self._m["specdec_forward_seconds"].labels(role=role, phase=phase)
+        self.profile = CostProfile(buckets, ema_weight)
+        self.watch_profile(self.profile)
+
+    def watch_profile(self, profile: CostProfile) -> None:
+        """Exports `profile` (its current entries and every later change) as the profile gauge."""
         gauge = self._m["specdec_forward_profile_seconds"]
-        self.profile = CostProfile(buckets, ema_weight, on_update=lambda b, q, s: gauge.labels(
-            role=role, batch=str(b), query_len=str(q)).set(s))
+        self.profile = profile
+        profile.subscribe(lambda b, q, s: gauge.labels(role=self.role, batch=str(b),
+                                                       query_len=str(q)).set(s))
 
-    def observe_forward(self, phase: str, batch_size: int, query_len: int | None,
-                        seconds: float) -> None:
-        """One forward of `batch_size` sequences, `query_len` tokens each.
-
-        query_len is None for a batch whose sequences have different token counts: such a forward
-        goes into the histogram only. Uniform decode/verify forwards also update the profile;
-        prefill never does (its cost depends on the prompt length, not on the batch bucket).
-        """
+    def observe_forward(self, phase: str, batch_size: int, seconds: float) -> None:
+        """One forward of `batch_size` sequences in `phase` (PHASES), device seconds."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         self._m["specdec_forward_seconds"].labels(role=self.role, phase=phase).observe(seconds)
-        if phase != "prefill" and query_len is not None:
-            self.profile.update(batch_size, query_len, seconds)
-
-    def decode_forward_seconds(self, batch_size: int) -> float:
-        """Single-token forward seconds at batch_size's bucket; 0.0 when not known (proto default)."""
-        return self.profile.get(batch_size, 1) or 0.0
 
     def set_kv(self, used: int, free: int) -> None:
         self._m["specdec_kv_blocks_used"].labels(role=self.role).set(used)
@@ -211,15 +217,46 @@ class CoordinatorMetrics(_ProcessMetrics):
         super().__init__(registry, "coordinator", COORDINATOR_METRICS)
         self.stats = SpecStats(buckets, window_steps, ema_weight)
         self.max_positions = max_positions
+        self._positions: dict[str, tuple] = {}
+        for p in range(1, max_positions + 1):
+            self._position_series(p)
+        for stage in STAGES:
+            self._m["specdec_stage_seconds"].labels(stage=stage)
+        for mode in ("spec", "plain"):
+            self._m["specdec_step_seconds"].labels(mode=mode)
         for code in STATUS_CODES:
             self._m["specdec_requests_total"].labels(code=code)
         self._m["specdec_expected_speedup"].labels(basis="model")
         self._m["specdec_expected_speedup"].labels(basis="system")
         self._set_window(self.stats.window())
 
-    def _position(self, p: int) -> str:
+    def _position_series(self, p: int) -> tuple:
         # Positions past max_positions share one series, bounding the label's cardinality.
-        return str(p) if p <= self.max_positions else f">{self.max_positions}"
+        label = str(p) if p <= self.max_positions else f">{self.max_positions}"
+        series = self._positions.get(label)
+        if series is None:  # both series exist from the first draft at p on (accepted at 0)
+            series = self._positions[label] = (
+                self._m["specdec_draft_tokens_by_position_total"].labels(position=label),
+                self._m["specdec_accepted_tokens_by_position_total"].labels(position=label))
+        return series
+
+    def _count_positions(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        # One inc per position and step, not per token: at position p, the sequences with
+        # γ >= p drafted a token and those with accepted >= p had it accepted.
+        top = max(drafted)
+        if not top:
+            return
+        d_len, a_len = [0] * (top + 1), [0] * (top + 1)
+        for d, a in zip(drafted, accepted):
+            d_len[d] += 1
+            a_len[a] += 1
+        d_at = a_at = 0
+        for p in range(top, 0, -1):
+            d_at, a_at = d_at + d_len[p], a_at + a_len[p]
+            series_d, series_a = self._position_series(p)
+            series_d.inc(d_at)
+            if a_at:
+                series_a.inc(a_at)
 
     def observe_step(self, drafted: Sequence[int], accepted: Sequence[int],
                      emitted: Sequence[int] | None = None, *, step_seconds: float,
@@ -248,14 +285,7 @@ class CoordinatorMetrics(_ProcessMetrics):
         m["specdec_spec_steps_total"].inc(sum(1 for d in drafted if d > 0))
         m["specdec_plain_steps_total"].inc(sum(1 for d in drafted if d == 0))
         m["specdec_rejections_total"].inc(sum(1 for a, d in zip(accepted, drafted) if a < d))
-        by_pos_d, by_pos_a = m["specdec_draft_tokens_by_position_total"], m["specdec_accepted_tokens_by_position_total"]
-        for d, a in zip(drafted, accepted):
-            for p in range(1, d + 1):
-                by_pos_d.labels(position=self._position(p)).inc()
-                if p <= a:
-                    by_pos_a.labels(position=self._position(p)).inc()
-                elif p == a + 1:
-                    by_pos_a.labels(position=self._position(p))  # the series exists, at 0
+        self._count_positions(drafted, accepted)
         for stage, seconds in stage_seconds.items():
             m["specdec_stage_seconds"].labels(stage=stage).observe(seconds)
         m["specdec_step_seconds"].labels(mode="spec" if max(drafted) > 0 else "plain").observe(step_seconds)

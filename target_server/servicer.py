@@ -11,6 +11,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
+    rpc_name = "Verify"
+
     async def Verify(self, request_iterator, context):
         async for response in self._steps(request_iterator):
             yield response
@@ -24,6 +26,24 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
         results = [convert.verify_result_to_pb(s.seq_id, o) for s, o in zip(request.seqs, outputs)]
         return pb.VerifyResponse(step=request.step, results=results,
                                  timing=self._finish_timing(step.timing, request, received))
+
+    def _observe_forwards(self, request: pb.VerifyRequest, response: pb.VerifyResponse) -> None:
+        # One forward per step. All single-token (plain decoding): the engine's profile already
+        # took it. Any prompt tokens: prefill. Otherwise a verify over 1 + k tokens per sequence,
+        # which also moves the profile entry of (batch, k + 1) when every sequence has the same k.
+        timing = response.timing
+        served = self._served(request, response)
+        if not timing.num_forwards or not served:
+            return
+        lens = [(len(s.new_tokens) + len(s.draft_tokens)) // 4 for s in served]  # int32 ids
+        if max(lens) == 1:
+            return
+        if any(len(s.new_tokens) > 4 or s.partial_prefill for s in served):
+            self.runtime.metrics.observe_forward("prefill", len(served), timing.forward_seconds)
+            return
+        self.runtime.metrics.observe_forward("verify", len(served), timing.forward_seconds)
+        if min(lens) == max(lens):
+            self.runtime.engine.profile.costs.update(len(served), lens[0], timing.forward_seconds)
 
 
 def add_to_server(server, runtime: EngineRuntime) -> None:

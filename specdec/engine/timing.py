@@ -2,11 +2,13 @@
 t(b, 1 token) that the cost coefficient c is defined on)."""
 from __future__ import annotations
 
-import bisect
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
+
+from specdec.cost_model import CostProfile
 
 
 class ForwardClock:
@@ -41,35 +43,30 @@ class ForwardClock:
 
 
 class DecodeProfile:
-    """Seconds of one single-token forward by batch size: a warm-up table, then an exponential
-    moving average of live decode forwards. Sizes never measured are interpolated between the
-    nearest measured ones (flat beyond the ends)."""
+    """The engine's single-token view (query length 1) of a CostProfile: warm_up() sets entries
+    from timed forwards, live decode forwards move them, and StepTiming.decode_forward_seconds
+    reads them. The numbers live in the CostProfile (specdec/cost_model.py: batch buckets, EMA),
+    the one table the engine reports, the server exports and the coordinator's c is built on.
+    Batch sizes map to their bucket; a bucket never timed reads 0.0 (the proto's "unknown").
 
-    def __init__(self, ema: float = 0.1):
-        self.ema = ema
-        self._table: dict[int, float] = {}
+    `on_sample` listeners get every live single-token forward as (batch_size, seconds): the
+    server's forward-time histogram."""
+
+    def __init__(self, costs: CostProfile | None = None):
+        self.costs = costs if costs is not None else CostProfile()
+        self.on_sample: list[Callable[[int, float], None]] = []
 
     def set(self, batch_size: int, seconds: float) -> None:
-        self._table[batch_size] = seconds
+        self.costs.set_profiled(batch_size, 1, [seconds])
 
     def update(self, batch_size: int, seconds: float) -> None:
-        old = self._table.get(batch_size)
-        self._table[batch_size] = seconds if old is None else old + self.ema * (seconds - old)
+        self.costs.update(batch_size, 1, seconds)
+        for listener in self.on_sample:
+            listener(batch_size, seconds)
 
     def table(self) -> dict[int, float]:
-        return dict(sorted(self._table.items()))
+        return {b: s for (b, q), s in sorted(self.costs.table().items()) if q == 1}
 
     def __call__(self, batch_size: int) -> float:
-        if not self._table:
-            return 0.0
-        if batch_size in self._table:
-            return self._table[batch_size]
-        sizes = sorted(self._table)
-        i = bisect.bisect_left(sizes, batch_size)
-        if i == 0:
-            return self._table[sizes[0]]
-        if i == len(sizes):
-            return self._table[sizes[-1]]
-        lo, hi = sizes[i - 1], sizes[i]
-        w = (batch_size - lo) / (hi - lo)
-        return self._table[lo] * (1 - w) + self._table[hi] * w
+        # A step whose sequences all failed has batch 0 and ran no forward.
+        return (self.costs.get(batch_size, 1) or 0.0) if batch_size > 0 else 0.0

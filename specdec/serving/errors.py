@@ -28,8 +28,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str,
+                 on_error: Callable[[str], None] | None) -> None:
     code, message = status_of(exc)
+    if on_error is not None:
+        on_error(code.name)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:
@@ -37,18 +40,18 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(code, message)
 
 
-def _wrap_unary(behavior: Callable, method: str) -> Callable:
+def _wrap_unary(behavior: Callable, method: str, on_error) -> Callable:
     async def handler(request, context):
         try:
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as e:
-            await _abort(context, e, method)
+            await _abort(context, e, method, on_error)
     return handler
 
 
-def _wrap_stream(behavior: Callable, method: str) -> Callable:
+def _wrap_stream(behavior: Callable, method: str, on_error) -> Callable:
     async def handler(request_or_iterator, context):
         try:
             async for response in behavior(request_or_iterator, context):
@@ -56,15 +59,18 @@ def _wrap_stream(behavior: Callable, method: str) -> Callable:
         except grpc.aio.AbortError:
             raise
         except Exception as e:
-            await _abort(context, e, method)
+            await _abort(context, e, method, on_error)
     return handler
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps the handlers of services under `prefix` (ours; health and reflection are left alone)."""
+    """Wraps the handlers of services under `prefix` (ours; health and reflection are left alone).
+    on_error(status code name) is called for every failure turned into a status (the errors
+    counter)."""
 
-    def __init__(self, prefix: str = "/specdec.v1."):
+    def __init__(self, prefix: str = "/specdec.v1.", on_error: Callable[[str], None] | None = None):
         self.prefix = prefix
+        self.on_error = on_error
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -72,11 +78,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         kw = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
-        m = details.method
+        m, on_error = details.method, self.on_error
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, m), **kw)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, m, on_error), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, m), **kw)
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, m, on_error),
+                                                        **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, m), **kw)
-        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, m), **kw)
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, m, on_error),
+                                                        **kw)
+        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, m, on_error),
+                                                     **kw)

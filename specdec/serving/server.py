@@ -16,9 +16,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from specdec.config import ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
 from specdec.engine.base import ModelEngine
+from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
 from specdec.serving.errors import ErrorInterceptor, NotReady
 
@@ -32,11 +34,31 @@ SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 
 class EngineRuntime:
-    """The engine (None while loading) and the single thread every engine call runs on."""
+    """The engine (None while loading), the single thread every engine call runs on, and the
+    server's metrics."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: ServerMetrics) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: ModelEngine | None = None
+        self.metrics = metrics
+        self.decode_seconds = 0.0  # single-token forward seconds of the step in progress
+
+    def attach(self, engine: ModelEngine) -> None:
+        """Serves `engine` from now on; its profile becomes the exported one (warm-up included)
+        and its live single-token forwards go into the decode histogram."""
+        self.metrics.watch_profile(engine.profile.costs)
+        engine.profile.on_sample.append(self._on_decode_forward)
+        self.engine = engine
+
+    def _on_decode_forward(self, batch_size: int, seconds: float) -> None:
+        self.metrics.observe_forward("decode", batch_size, seconds)
+        self.decode_seconds += seconds
+
+    def publish_state(self) -> None:
+        """KV and sequence gauges; on the engine thread, after anything that changes them."""
+        blocks = self.engine.runner.blocks
+        self.metrics.set_kv(used=blocks.num_blocks - blocks.num_free, free=blocks.num_free)
+        self.metrics.set_running(self.engine.num_sequences())
 
     async def call(self, fn: Callable, *args):
         if self.engine is None:
@@ -54,6 +76,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                                                    "(bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--host", default="[::]")
     p.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="0 picks a free port (logged)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="Prometheus /metrics port (compose: draft 9401, target 9402); 0 picks a free "
+                        "port (logged); -1 (default): no endpoint")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=int, help="KV cache blocks")
     kv.add_argument("--kv-memory", help="KV cache size, e.g. 8GiB (default: 85%% of free GPU memory "
@@ -81,10 +106,13 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[ServerConfig, str]:
-    """(config, log level) from the command line; errors exit with the argparse usage message."""
+def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[ServerConfig, int, str]:
+    """(config, metrics port, log level) from the command line; errors exit with the argparse
+    usage message."""
     parser = build_parser(role)
     a = parser.parse_args(argv)
+    if not -1 <= a.metrics_port < 65536:
+        parser.error(f"--metrics-port must be in -1..65535, got {a.metrics_port}")
     cuda = a.device.startswith("cuda")
     dtype = ("bfloat16" if cuda else "float32") if a.dtype == "auto" else a.dtype
     sizes = a.warmup_batch_sizes or ("1,2,4,8,16,32" if cuda else "1,2")
@@ -103,7 +131,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                               torch_threads=a.torch_threads)
     except ValueError as e:
         parser.error(str(e))
-    return config, a.log_level
+    return config, a.metrics_port, a.log_level
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -115,13 +143,15 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 # --- serving -----------------------------------------------------------------------------------
 async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], ModelEngine],
-                add_servicer: Callable[[grpc.aio.Server, EngineRuntime], None], service_name: str) -> None:
-    """Listens at once (health NOT_SERVING), loads and warms the engine on its thread, then reports
-    SERVING until SIGINT/SIGTERM."""
+                add_servicer: Callable[[grpc.aio.Server, EngineRuntime], None], service_name: str,
+                metrics: ServerMetrics, metrics_port: int = -1) -> None:
+    """Listens at once (health NOT_SERVING; /metrics too when metrics_port >= 0), loads and warms
+    the engine on its thread, then reports SERVING until SIGINT/SIGTERM."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    runtime = EngineRuntime()
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    runtime = EngineRuntime(metrics)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(on_error=metrics.count_error)],
+                             options=SERVER_OPTIONS)
     add_servicer(server, runtime)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -133,6 +163,9 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
     port = server.add_insecure_port(config.address)
     await server.start()
     log.info("%s server listening on %s:%d", config.role, config.host, port)
+    metrics_server = start_metrics_server(metrics_port, metrics.registry) if metrics_port >= 0 else None
+    if metrics_server is not None:
+        log.info("%s metrics on port %d", config.role, metrics_server.port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -140,7 +173,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         loop.add_signal_handler(sig, stop.set)
     try:
         engine = await loop.run_in_executor(runtime.executor, _load, make_engine, config.engine)
-        runtime.engine = engine
+        runtime.attach(engine)
+        await runtime.call(runtime.publish_state)
         for name in ("", service_name):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s (%d KV blocks of %d tokens)", config.engine.model,
@@ -151,6 +185,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         await health.enter_graceful_shutdown()
         await server.stop(config.grace_seconds)
         runtime.executor.shutdown(wait=True, cancel_futures=True)
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConfig) -> ModelEngine:
@@ -164,10 +200,12 @@ def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConf
 def main(role: str, make_engine: Callable[[EngineConfig], ModelEngine],
          add_servicer: Callable[[grpc.aio.Server, EngineRuntime], None], service_name: str,
          argv: Sequence[str] | None = None) -> None:
-    config, level = config_from_args(role, argv)
+    config, metrics_port, level = config_from_args(role, argv)
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    disable_created_metrics()  # no *_created series: half the exposition, nothing a panel reads
+    metrics = ServerMetrics(CollectorRegistry(), role)
     try:
-        asyncio.run(serve(config, make_engine, add_servicer, service_name))
+        asyncio.run(serve(config, make_engine, add_servicer, service_name, metrics, metrics_port))
     except (ConfigError, CheckpointError) as e:
         log.error("cannot start the %s server: %s", role, e)
         raise SystemExit(2) from None

@@ -1,15 +1,22 @@
-"""What the Draft and Target servicers do the same way: the bidi step loop, Info and Release.
-Subclasses only convert one step's pb request into an engine call and back (`_step`)."""
+"""What the Draft and Target servicers do the same way: the bidi step loop, Info and Release, and
+the server's metrics of each step. Subclasses only convert one step's pb request into an engine
+call and back (`_step`) and say which forwards it ran (`_observe_forwards`)."""
 from __future__ import annotations
 
 import time
+
+import grpc
 
 from protos import specdec_pb2 as pb
 from specdec.serving import convert
 from specdec.serving.server import EngineRuntime
 
+_CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
+
 
 class ModelServicer:
+    rpc_name = ""  # "Propose" or "Verify"
+
     def __init__(self, runtime: EngineRuntime):
         self.runtime = runtime
 
@@ -17,10 +24,33 @@ class ModelServicer:
         # One step at a time per stream (the next request is read after the answer is written);
         # several streams may be open, and their steps queue on the engine's one thread.
         async for request in request_iterator:
-            yield await self.runtime.call(self._step, request, time.perf_counter())
+            yield await self.runtime.call(self._metered_step, request, time.perf_counter())
+
+    def _metered_step(self, request, received: float):
+        """_step plus its metrics, on the engine thread (gauges are read by scrapes meanwhile)."""
+        runtime, metrics = self.runtime, self.runtime.metrics
+        runtime.decode_seconds = 0.0
+        response = self._step(request, received)
+        self._observe_forwards(request, response)
+        for r in response.results:
+            if r.HasField("error") and r.error.code:
+                metrics.count_error(_CODE_NAMES.get(r.error.code, "UNKNOWN"))
+        runtime.publish_state()
+        metrics.observe_rpc(self.rpc_name, response.timing.step_seconds)
+        return response
 
     def _step(self, request, received: float):
         raise NotImplementedError
+
+    def _observe_forwards(self, request, response) -> None:
+        """Forward-time histogram entries of the step's forwards that were not single-token decode
+        forwards (those arrive through the engine's profile: EngineRuntime.attach)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _served(request, response) -> list:
+        """The request's sequences that the engine ran (no per-sequence error)."""
+        return [s for s, r in zip(request.seqs, response.results) if not r.HasField("error")]
 
     @staticmethod
     def _finish_timing(step_timing, request, received: float) -> pb.StepTiming:
@@ -30,11 +60,19 @@ class ModelServicer:
         return timing
 
     async def Info(self, request, context):
-        return convert.info_to_pb(await self.runtime.call(lambda: self.runtime.engine.info()))
+        t0 = time.perf_counter()
+        info = await self.runtime.call(lambda: self.runtime.engine.info())
+        self.runtime.metrics.observe_rpc("Info", time.perf_counter() - t0)
+        return convert.info_to_pb(info)
 
     async def Release(self, request, context):
+        t0 = time.perf_counter()
+
         def release():
             engine = self.runtime.engine
-            return engine.release(request.seq_ids), engine.num_free_blocks
+            released = engine.release(request.seq_ids)
+            self.runtime.publish_state()
+            return released, engine.num_free_blocks
         released, free = await self.runtime.call(release)
+        self.runtime.metrics.observe_rpc("Release", time.perf_counter() - t0)
         return pb.ReleaseResponse(released=released, kv_blocks_free=free)

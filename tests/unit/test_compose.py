@@ -159,3 +159,24 @@ def test_dockerfile_pins_base_and_dependencies():
     import tomllib
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert all("==" in d for d in deps), "the image installs pyproject's dependencies: pin them"
+
+
+@pytest.mark.parametrize("variant", ["defaults", "one-gpu"])
+def test_commands_are_accepted_by_the_real_command_lines(variant):
+    # Each model service's command, after substitution, parses with the parser its module runs
+    # (schema validation cannot catch a renamed or missing flag).
+    from coordinator.__main__ import parse_args
+    from specdec.serving.server import config_from_args
+
+    env = read_env(ROOT / "deploy" / "one-gpu.env") if variant == "one-gpu" else {}
+    services = load(env)["services"]
+    for name in MODEL_SERVICES:
+        command = services[name]["command"]
+        module = f"{name}_server" if name != "coordinator" else "coordinator"
+        assert command[:3] == ["python", "-m", module], name
+        if name == "coordinator":
+            config = parse_args(command[3:])
+            assert (config.port, config.metrics_port) == (50050, METRICS_PORTS[name])
+        else:
+            config, metrics_port, _ = config_from_args(name, command[3:])
+            assert config.engine.device == "cuda:0" and metrics_port == METRICS_PORTS[name]

@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 
 from coordinator.app import IncompatibleModels, check_draft_compatible
-from coordinator.gamma import best_gamma, choose_num_draft, expected_speedup
+from coordinator.gamma import best_gamma, choose_num_draft, expected_speedup, request_alpha
 from coordinator.scheduler import KVCapacity, Rejected, Scheduler
 from coordinator.sequence import GenParams, Sampling, Sequence
-from coordinator.stats import SpecStats
 from coordinator.tokenizer import TextTokenizer
 from coordinator.validation import InvalidRequest, Limits, validate
 from protos import specdec_pb2 as pb
@@ -66,23 +65,18 @@ def test_expected_speedup_and_gamma_policy():
     assert expected_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
     assert best_gamma(0.95, 0.01, 8) == 8
     assert best_gamma(0.3, 0.3, 8) == 1
-    kw = dict(policy="fixed", default=4, max_gamma=8, accepted=0, drafted=0, global_alpha=None, c=None)
+    kw = dict(policy="fixed", default=4, max_gamma=8, accepted=0, rejections=0, global_alpha=None, c=None)
     assert choose_num_draft(requested=0, **kw) == 4
     assert choose_num_draft(requested=6, **kw) == 6
-    kw.update(policy="auto", accepted=95, drafted=100, c=0.02)
+    kw.update(policy="auto", accepted=95, rejections=2, c=0.02)
     assert choose_num_draft(requested=0, **kw) >= 6
 
 
-def test_stats():
-    st = SpecStats()
-    st.record_sequence(4, 2, 3)
-    st.record_sequence(4, 4, 5)
-    st.record_step(max_draft=4, draft_wall_s=0.004, target_wall_s=0.01, draft_decode_s=0.001,
-                   target_decode_s=0.01)
-    assert st.alpha == 0.75 and st.tau == 4.0
-    assert st.per_position_acceptance() == [1.0, 1.0, 0.5, 0.5]
-    assert st.c == pytest.approx(0.1)
-    assert st.expected_speedup() == pytest.approx(expected_speedup(0.75, 4, 0.1))
+def test_request_alpha_counts_tested_tokens():
+    # Leviathan's α: accepted / (accepted + rejections), shrunk towards the prior (weight 8).
+    assert request_alpha(0, 0, 0.5) == pytest.approx(0.5)
+    assert request_alpha(12, 4, None) == pytest.approx((12 + 8 * 0.6) / (16 + 8))
+    assert request_alpha(1000, 0, 0.1) > 0.99  # γ drafted and all accepted: no tokens go untested
 
 
 LIMITS = Limits(vocab_size=320, max_model_len=64, max_num_draft=8, eos_token_ids=frozenset({0}))

@@ -108,8 +108,11 @@ def test_cost_profile_warmup_median_then_ema():
     p.update(4, 1, 0.020)
     assert p.get(4) == pytest.approx(0.016)
     p.update(1, 5, 0.030)  # first live sample of a new entry initialises it
-    assert p.table() == {(4, 1): pytest.approx(0.016), (1, 5): pytest.approx(0.030)}
-    assert seen[-1] == (1, 5, 0.030)
+    p.update(1, 5, 0.300)  # a preempted forward (10x) counts as 2x the entry
+    assert p.get(1, 5) == pytest.approx(0.045)
+    p.update(1, 5, 0.030)
+    assert p.table() == {(4, 1): pytest.approx(0.016), (1, 5): pytest.approx(0.0375)}
+    assert seen[-1] == (1, 5, pytest.approx(0.0375))
 
 
 def test_cost_profile_profile_times_each_bucket():
@@ -244,32 +247,34 @@ def test_coordinator_request_metrics():
 def test_server_metrics_forward_profile_and_kv():
     reg = CollectorRegistry()
     sm = ServerMetrics(reg, "target", buckets=(1, 2, 4), ema_weight=0.5)
-    assert sm.decode_forward_seconds(3) == 0.0
-    sm.profile.set_profiled(4, 1, [0.004, 0.004, 0.006])
-    sm.observe_forward("decode", 3, 1, 0.006)
-    sm.observe_forward("verify", 3, 5, 0.007)
-    sm.observe_forward("prefill", 1, 100, 0.5)  # histogram only
-    sm.observe_forward("verify", 2, None, 0.5)  # mixed query lengths: histogram only
+    # The engine's own profile: warm-up entries already there show up when it is watched.
+    engine_profile = CostProfile(buckets=(1, 2, 4), ema_weight=0.5)
+    engine_profile.set_profiled(4, 1, [0.004, 0.004, 0.006])
+    sm.watch_profile(engine_profile)
+    engine_profile.update(3, 1, 0.006)
+    engine_profile.update(3, 5, 0.007)
+    sm.observe_forward("decode", 3, 0.006)
+    sm.observe_forward("verify", 3, 0.007)
+    sm.observe_forward("verify", 2, 0.5)
+    sm.observe_forward("prefill", 1, 0.5)
     sm.set_kv(used=10, free=90)
     sm.set_running(3)
     sm.observe_rpc("Verify", 0.01)
     sm.count_error("INVALID_ARGUMENT")
     s = scrape(reg)
-    assert sm.decode_forward_seconds(4) == pytest.approx(0.005)
     assert value(s, "specdec_forward_profile_seconds", role="target", batch="4", query_len="1") == \
         pytest.approx(0.005)
     assert value(s, "specdec_forward_profile_seconds", role="target", batch="4", query_len="5") == \
         pytest.approx(0.007)
-    assert ("specdec_forward_profile_seconds", (("batch", "1"), ("query_len", "100"),
-                                                ("role", "target"))) not in s
     assert value(s, "specdec_forward_seconds_count", role="target", phase="verify") == 2
+    assert value(s, "specdec_forward_seconds_count", role="target", phase="prefill") == 1
     assert value(s, "specdec_kv_blocks_used", role="target") == 10
     assert value(s, "specdec_kv_blocks_free", role="target") == 90
     assert value(s, "specdec_running_sequences", role="target") == 3
     assert value(s, "specdec_rpc_seconds_count", role="target", rpc="Verify") == 1
     assert value(s, "specdec_errors_total", role="target", code="INVALID_ARGUMENT") == 1
     with pytest.raises(ValueError):
-        sm.observe_forward("draft", 1, 1, 0.1)
+        sm.observe_forward("draft", 1, 0.1)
 
 
 def test_start_metrics_server_serves_the_registry():
@@ -291,3 +296,19 @@ def test_metrics_import_no_torch():
     import sys
     code = "import sys, specdec.metrics, specdec.cost_model; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=__file__.rsplit("/tests/", 1)[0]).returncode == 0
+
+
+def test_engine_decode_profile_is_a_view_of_one_cost_profile():
+    from specdec.engine.timing import DecodeProfile
+
+    costs = CostProfile(buckets=(1, 2, 4), ema_weight=0.5)
+    profile, samples = DecodeProfile(costs), []
+    profile.on_sample.append(lambda b, s: samples.append((b, s)))
+    profile.set(2, 0.004)  # warm-up: no live sample
+    profile.update(3, 0.010)  # bucket 4, first live sample
+    profile.update(2, 0.006)
+    assert costs.table() == {(2, 1): pytest.approx(0.005), (4, 1): pytest.approx(0.010)}
+    assert profile.table() == {2: pytest.approx(0.005), 4: pytest.approx(0.010)}
+    assert profile(4) == profile(3) == pytest.approx(0.010)
+    assert profile(1) == 0.0 and profile(0) == 0.0  # never timed; no forward at all
+    assert samples == [(3, 0.010), (2, 0.006)]
