@@ -13,6 +13,7 @@ host values.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,12 @@ class GraphedForward:
                  batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.runner = runner
+        # Hold the runner's parts, not the runner: runner -> graphs -> runner would be a reference
+        # cycle, freed by the garbage collector at an arbitrary time, and a CUDA graph freed while
+        # another capture is in progress invalidates that capture (seen on the H200).
+        self._model, self._kv, self._backend = runner.model, runner.kv, runner.backend
+        self.device = runner.device
+        gc.collect()  # free graphs of runners already dropped before we start capturing
         self.max_blocks = -(-max_model_len // runner.cache_config.block_size)
         self.max_context = self.max_blocks * runner.cache_config.block_size
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
@@ -48,7 +54,7 @@ class GraphedForward:
                 self.graphs[(b, q)] = self._capture(b, q, pool)
 
     def _static_batch(self, b: int, q: int) -> ForwardBatch:
-        dev, t = self.runner.device, b * q
+        dev, t = self.device, b * q
         return ForwardBatch(
             input_ids=torch.zeros(t, dtype=torch.int64, device=dev),
             positions=torch.zeros(t, dtype=torch.int64, device=dev),
@@ -61,17 +67,16 @@ class GraphedForward:
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, pool) -> _Graph:
-        runner = self.runner
         batch = self._static_batch(b, q)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                runner.model(batch, runner.kv, runner.backend)
+                self._model(batch, self._kv, self._backend)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = runner.model(batch, runner.kv, runner.backend)
+            logits = self._model(batch, self._kv, self._backend)
         return _Graph(graph, batch, logits)
 
     def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
