@@ -10,6 +10,11 @@ Server bookkeeping (the step protocol of DESIGN section 2):
   `tokens before the proposal + keep` and feeds whatever its KV lacks). A step without the draft
   leaves keep alone and appends the emitted tokens to pending, so the draft catches up on its next
   proposal in one forward.
+- lost state: a sequence's first message to a server carries `first`; any later one makes a server
+  that does not hold the sequence (restarted, or lost it) answer NOT_FOUND instead of silently
+  starting it afresh. The coordinator then resends it from the start — prompt + every emitted
+  token, with `first` — so the continuation is exactly what it would have been (seeded sampling
+  draws by position: specdec/sampling/rng.py).
 """
 from __future__ import annotations
 
@@ -75,12 +80,15 @@ class Sequence:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # target side
     target_pending: list[int] = field(default_factory=list)
+    target_first: bool = True         # the next Verify message is the sequence's first (allocates)
+    target_resends: int = 0           # resends from the start since the sequence last emitted
     # draft side
     use_draft: bool = False           # speculate with the draft (request asked, capacity allowed)
     draft_holds: bool = False         # the draft server holds this sequence's KV
     draft_resync: bool = False        # the draft lost track (server restarted): start it afresh
     draft_keep: int = 0
     draft_pending: list[int] = field(default_factory=list)
+    draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
     # accounting
     reserved_target: int = 0          # KV blocks promised by the scheduler
     reserved_draft: int = 0
@@ -108,7 +116,8 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return not self.output and len(self.target_pending) > 1
+        # The prompt, or prompt + output being resent after the target lost the sequence.
+        return len(self.target_pending) > 1
 
     def emit(self, tokens: list[int]) -> Chunk:
         """Appends a step's tokens up to the first stop condition (later ones are dropped)."""
@@ -138,6 +147,12 @@ class Sequence:
                 text.append(self._stops.flush())
         return Chunk("".join(text), taken, finish)
 
+    def draft_proposed(self) -> None:
+        """The draft accepted this step's keep and pending and drafted on them: until the verdict
+        it holds them plus its proposal (draft_update then sets keep; a lost verify leaves keep 0,
+        which discards the unverified proposal)."""
+        self.draft_keep, self.draft_pending = 0, []
+
     def draft_update(self, num_draft: int, accepted: int, next_token: int) -> None:
         """The draft's bookkeeping after a verified step (see the module docstring)."""
         if num_draft:
@@ -149,3 +164,9 @@ class Sequence:
         """The draft server forgot this sequence: send it everything as a new sequence."""
         self.draft_keep = 0
         self.draft_pending = list(self.params.prompt_ids) + self.output
+
+    def restart_target(self) -> None:
+        """The target lost this sequence: send it everything again, as a new sequence."""
+        self.target_first = True
+        self.target_pending = list(self.params.prompt_ids) + self.output
+        self.target_resends += 1

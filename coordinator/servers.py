@@ -19,7 +19,10 @@ from specdec.metrics import CoordinatorMetrics
 # Dense fp16 draft probabilities of a large vocabulary and batch run to tens of MB per step.
 MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   # A restarted server is found again within a second (the default backoff grows
+                   # to minutes, and the coordinator waits on a lost target before resending).
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class StreamBroken(ConnectionError):

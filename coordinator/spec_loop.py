@@ -5,6 +5,13 @@ then ONE Verify on the target stream for all of them (sequences that do not draf
 tokens, which is plain decoding), then each sequence's accepted drafts + next token go to its client.
 The draft is optional: if it fails, the step goes on without drafts and the draft is probed again
 in the background; sequences it held are released and re-sent from scratch when it is back.
+
+A server that lost a sequence (restarted, or dropped it) answers NOT_FOUND for it (every message
+but a sequence's first must find it held). Nothing is lost and the output stays exact: the target
+gets the sequence again from the start, prompt + every emitted token (chunked like a prompt), and
+continues exactly where it was; the draft gets the same resend. A target step that fails outright
+(the server died) waits for the target to answer again, then resends every sequence of the step
+the same way. A sequence lost again right after its resends ends with UNAVAILABLE.
 """
 from __future__ import annotations
 
@@ -26,6 +33,11 @@ from specdec.metrics import CoordinatorMetrics
 
 log = logging.getLogger("specdec.coordinator")
 STATS_LOG_S = 30.0  # how often the loop logs its statistics while busy
+# Resends from the start a sequence may need before it emits again; one more loss ends it
+# (UNAVAILABLE for the target; the draft is then turned off for it, which stays lossless).
+MAX_TARGET_RESENDS = 2
+MAX_DRAFT_RESENDS = 2
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 
 
 @dataclass
@@ -145,16 +157,17 @@ class SpecLoop:
         for p in plans:
             request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_tokens(p.target_new),
                              draft_tokens=pack_tokens(p.drafts), sampling=sampling_pb(p.seq),
-                             partial_prefill=p.partial)
+                             partial_prefill=p.partial, first=p.seq.target_first)
             if p.probs is not None:
                 request.seqs[-1].draft_probs.CopyFrom(p.probs)  # as received: exactness
         sched.release_target.clear()
         try:
             response = await self.target.step(request)
         except Exception as e:
-            # The target's state is unknown: free what it may hold and fail this batch.
+            # The target's state is unknown: free what it may hold and, once it answers again,
+            # resend the batch from the start (`first` makes that right whatever it still holds).
             sched.release_target.update(request.release)
-            self._abort_all(seqs, grpc.StatusCode.UNAVAILABLE, f"target server failed: {_describe(e)}")
+            await self._target_lost(seqs, f"target server failed: {_describe(e)}")
             return
         t2 = time.perf_counter()
         if len(response.results) != len(plans):
@@ -189,7 +202,7 @@ class SpecLoop:
                 seq.draft_resync = seq.draft_holds = False
             request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep,
                              new_tokens=pack_tokens(seq.draft_pending), num_draft=p.num_draft,
-                             sampling=sampling_pb(seq))
+                             sampling=sampling_pb(seq), first=not seq.draft_holds)
             seq.draft_holds = True  # from here on the draft may hold it, whatever happens
         request.release.extend(sorted(sched.release_draft))
         sched.release_draft.clear()
@@ -208,6 +221,15 @@ class SpecLoop:
             return None
         for p, r in zip(drafting, response.results):
             tokens = unpack_tokens(r.tokens)
+            if r.error.code == NOT_FOUND and p.seq.draft_resends < MAX_DRAFT_RESENDS:
+                # The draft lost it (restarted between steps, or dropped it): no drafts this
+                # step, and the next proposal sends it afresh (prompt + output, with `first`).
+                self.metrics.count_error("NOT_FOUND")
+                log.warning("draft lost sequence %d; resending it from the start", p.seq.seq_id)
+                p.seq.draft_resends += 1
+                p.seq.draft_holds, p.seq.draft_resync = False, True
+                p.num_draft = 0
+                continue
             if r.HasField("error") or len(tokens) != p.num_draft:
                 # This sequence goes on without the draft; the rest of the batch is unaffected.
                 self.metrics.count_error(_status(r.error.code).name if r.error.code else "INTERNAL")
@@ -220,6 +242,8 @@ class SpecLoop:
                 continue
             p.drafts = tokens
             p.probs = r.probs if r.HasField("probs") else None
+            p.seq.draft_resends = 0
+            p.seq.draft_proposed()
         return response.timing
 
     def _apply(self, p: Plan, r: pb.VerifyResult) -> tuple[int, int, int]:
@@ -230,8 +254,12 @@ class SpecLoop:
             return 0, 0, 0
         if r.HasField("error") and r.error.code:
             self.metrics.count_error(_status(r.error.code).name)
-            self._abort(seq, _status(r.error.code), f"target: {r.error.message}")
+            if r.error.code == NOT_FOUND:
+                self._resend_target(seq, f"target: {r.error.message}")
+            else:
+                self._abort(seq, _status(r.error.code), f"target: {r.error.message}")
             return 0, 0, 0
+        seq.target_first = False
         if p.partial:
             seq.target_pending = seq.target_pending[len(p.target_new):]
             return 0, 0, 0
@@ -245,6 +273,7 @@ class SpecLoop:
         seq.target_pending = [r.next_token]
         if seq.use_draft:
             seq.draft_update(p.num_draft, r.accepted, r.next_token)
+        seq.target_resends = 0
         seq.steps += 1
         seq.drafted += p.num_draft
         seq.accepted += r.accepted
@@ -256,6 +285,34 @@ class SpecLoop:
         return p.num_draft, r.accepted, len(chunk.token_ids)
 
     # --- failures and releases ---------------------------------------------------------------
+    async def _target_lost(self, seqs: list[Sequence], reason: str) -> None:
+        """The target step failed as a whole: wait (bounded) for the target to answer Info again,
+        then resend each sequence of the step from the start; fail them if it does not come back."""
+        live = [seq for seq in seqs if not seq.done]
+        timeout = self.config.connect_timeout_s
+        log.warning("%s; waiting up to %.0fs for it, then resending %d sequences from the start",
+                    reason, timeout, len(live))
+        try:
+            await self.target.wait_ready(timeout)
+        except ConnectionError as e:
+            self._abort_all(live, grpc.StatusCode.UNAVAILABLE, f"{reason}; not back: {e}")
+            return
+        for seq in live:
+            self._resend_target(seq, reason)
+
+    def _resend_target(self, seq: Sequence, reason: str) -> None:
+        if seq.done:
+            return
+        if seq.target_resends >= MAX_TARGET_RESENDS:
+            message = (f"{reason}; the target lost sequence {seq.seq_id} again after "
+                       f"{seq.target_resends} resends from the start; giving up")
+            log.warning("%s", message)
+            self._abort(seq, grpc.StatusCode.UNAVAILABLE, message)
+            return
+        seq.restart_target()
+        log.warning("%s; resending sequence %d from the start (%d tokens)", reason, seq.seq_id,
+                    len(seq.target_pending))
+
     def _abort(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         self.scheduler.retire(seq)
         seq.queue.put_nowait(Abort(code.value[0], message))

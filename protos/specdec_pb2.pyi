@@ -139,18 +139,20 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
 
 class DraftSeq(_message.Message):
-    __slots__ = ("seq_id", "keep", "new_tokens", "num_draft", "sampling")
+    __slots__ = ("seq_id", "keep", "new_tokens", "num_draft", "sampling", "first")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     keep: int
     new_tokens: bytes
     num_draft: int
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., keep: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., num_draft: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    first: bool
+    def __init__(self, seq_id: _Optional[int] = ..., keep: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., num_draft: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("step", "seqs", "release")
@@ -185,20 +187,22 @@ class ProposeResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ...) -> None: ...
 
 class VerifySeq(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "draft_tokens", "draft_probs", "sampling", "partial_prefill")
+    __slots__ = ("seq_id", "new_tokens", "draft_tokens", "draft_probs", "sampling", "partial_prefill", "first")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: bytes
     draft_tokens: bytes
     draft_probs: Probs
     sampling: SamplingParams
     partial_prefill: bool
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., draft_tokens: _Optional[bytes] = ..., draft_probs: _Optional[_Union[Probs, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partial_prefill: _Optional[bool] = ...) -> None: ...
+    first: bool
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., draft_tokens: _Optional[bytes] = ..., draft_probs: _Optional[_Union[Probs, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partial_prefill: _Optional[bool] = ..., first: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("step", "seqs", "release")

@@ -16,7 +16,7 @@ from specdec.sampling.draft import draft_sample
 from specdec.sampling.probs import SamplingTensors
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
-                                  StepTiming)
+                                  StepTiming, unknown_seq)
 
 
 @dataclass
@@ -61,6 +61,11 @@ class DraftEngine(ModelEngine):
         for i, seq in enumerate(seqs):
             try:
                 plan = self._plan(i, seq, seen)
+                if seq.first and seq.seq_id in self.runner.blocks:
+                    # A restart from the start (idempotent resend): the old state goes, its
+                    # blocks count as free for this step's admissions.
+                    budget[0] += len(self.runner.blocks.block_table(seq.seq_id))
+                    self._forget(seq.seq_id)
                 # The KV grows to tokens + num_draft - 1 (the last draft is never fed).
                 plan.admission = self.admit(seq.seq_id, len(plan.tokens) + max(seq.num_draft - 1, 0),
                                             budget)
@@ -92,8 +97,12 @@ class DraftEngine(ModelEngine):
         self.check_num_draft(seq.num_draft, "num_draft")
         self.check_tokens(seq.new_tokens, "new_tokens")
         self.check_sampling(seq.sampling)
-        state = self.states.get(seq.seq_id)
+        # `first` restarts the sequence: whatever is held under the id is dropped once the plan is
+        # valid (propose), so a resend from the start is idempotent and an invalid one changes nothing.
+        state = None if seq.first else self.states.get(seq.seq_id)
         if state is None:
+            if not seq.first:
+                raise unknown_seq(seq.seq_id)
             if not seq.new_tokens:
                 raise SeqFailure(Code.INVALID_ARGUMENT, f"new_tokens: empty for new sequence {seq.seq_id}")
             tokens = list(seq.new_tokens)

@@ -13,7 +13,7 @@ from specdec.sampling.probs import SamplingTensors
 from specdec.sampling.rejection import rejection_sample
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
-                                  VerifySeqInput)
+                                  VerifySeqInput, unknown_seq)
 
 
 @dataclass
@@ -47,6 +47,11 @@ class TargetEngine(ModelEngine):
         for i, seq in enumerate(seqs):
             try:
                 start = self._validate(seq, seen)
+                if seq.first and seq.seq_id in self.runner.blocks:
+                    # A restart from the start (idempotent resend): the old state goes, its
+                    # blocks count as free for this step's admissions.
+                    budget[0] += len(self.runner.blocks.block_table(seq.seq_id))
+                    self._forget(seq.seq_id)
                 total = start + len(seq.new_tokens) + len(seq.draft_tokens)
                 plans.append(Plan(i, seq, start, self.admit(seq.seq_id, total, budget)))
             except SeqFailure as f:
@@ -95,7 +100,12 @@ class TargetEngine(ModelEngine):
             if q.shape[1] > self.vocab_size and bool(q[:, self.vocab_size:].any()):
                 raise SeqFailure(Code.INVALID_ARGUMENT,
                                  f"draft_probs: mass on ids outside the target vocabulary of {self.vocab_size}")
-        start = self.runner.num_tokens(seq.seq_id) if seq.seq_id in self.runner.blocks else 0
+        if seq.first:
+            start = 0  # whatever is held under the id is dropped by verify once this passes
+        elif seq.seq_id in self.runner.blocks:
+            start = self.runner.num_tokens(seq.seq_id)
+        else:
+            raise unknown_seq(seq.seq_id)
         emitted = 0 if seq.partial_prefill else 1
         self.check_length(start + len(seq.new_tokens) + k + emitted, "new_tokens + draft_tokens")
         return start

@@ -31,6 +31,14 @@ class SeqFailure(Exception):
         self.error = SeqError(code, message)
 
 
+def unknown_seq(seq_id: int) -> SeqFailure:
+    """A message without `first` for a sequence the server does not hold. Treating it as new would
+    silently restart the sequence from one token of context (wrong output, no error); the
+    coordinator answers NOT_FOUND by resending the whole sequence with first set."""
+    return SeqFailure(Code.NOT_FOUND, f"seq_id {seq_id}: unknown to this server (restarted?); "
+                                      f"resend from the start with first=true")
+
+
 @dataclass(frozen=True)
 class StepTiming:
     forward_seconds: float = 0.0
@@ -47,6 +55,7 @@ class DraftSeqInput:
     new_tokens: list[int]
     num_draft: int
     sampling: SamplingParams = SamplingParams()
+    first: bool = False  # the sequence's first message: allocate it (see unknown_seq)
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,7 @@ class VerifySeqInput:
     draft_probs: torch.Tensor | None = None  # [len(draft_tokens), V_draft]; None for greedy
     sampling: SamplingParams = SamplingParams()
     partial_prefill: bool = False
+    first: bool = False  # the sequence's first message: allocate it (see unknown_seq)
 
 
 @dataclass(frozen=True)

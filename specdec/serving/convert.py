@@ -68,7 +68,7 @@ def draft_seqs_from_pb(req: pb.ProposeRequest) -> list[DraftSeqInput | SeqError]
         new_tokens = unpack_ids(s.new_tokens, f"seqs[{i}].new_tokens")
         sampling = _sampling_or_error(s.sampling, "sampling")
         out.append(sampling if isinstance(sampling, SeqError) else
-                   DraftSeqInput(s.seq_id, s.keep, new_tokens, s.num_draft, sampling))
+                   DraftSeqInput(s.seq_id, s.keep, new_tokens, s.num_draft, sampling, s.first))
     return out
 
 
@@ -80,7 +80,8 @@ def verify_seqs_from_pb(req: pb.VerifyRequest) -> list[VerifySeqInput | SeqError
         probs = probs_from_pb(s.draft_probs, f"seqs[{i}].draft_probs")
         sampling = _sampling_or_error(s.sampling, "sampling")
         out.append(sampling if isinstance(sampling, SeqError) else
-                   VerifySeqInput(s.seq_id, new_tokens, drafts, probs, sampling, s.partial_prefill))
+                   VerifySeqInput(s.seq_id, new_tokens, drafts, probs, sampling, s.partial_prefill,
+                                  s.first))
     return out
 
 

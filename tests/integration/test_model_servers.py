@@ -143,8 +143,10 @@ def test_propose_verify_round_trip(servers):
     try:
         for step in range(3):
             prop = draft.step(pb.ProposeRequest(step=step, seqs=[
-                pb.DraftSeq(seq_id=1, keep=keep[0], new_tokens=ids(d_new[0]), num_draft=3),
-                pb.DraftSeq(seq_id=2, keep=keep[1], new_tokens=ids(d_new[1]), num_draft=2, sampling=sampled)]))
+                pb.DraftSeq(seq_id=1, keep=keep[0], new_tokens=ids(d_new[0]), num_draft=3,
+                            first=step == 0),
+                pb.DraftSeq(seq_id=2, keep=keep[1], new_tokens=ids(d_new[1]), num_draft=2, sampling=sampled,
+                            first=step == 0)]))
             assert prop.step == step and [r.seq_id for r in prop.results] == [1, 2]
             assert prop.timing.num_forwards == 3 and prop.timing.batch_size == 2
             assert prop.timing.forward_seconds > 0 and prop.timing.decode_forward_seconds > 0
@@ -152,9 +154,10 @@ def test_propose_verify_round_trip(servers):
             assert not greedy.HasField("error") and not greedy.HasField("probs")
             assert samp.probs.rows == 2 and samp.probs.vocab_size == 320 and samp.probs.encoding != 0
             ver = target.step(pb.VerifyRequest(step=step, seqs=[
-                pb.VerifySeq(seq_id=1, new_tokens=ids(t_new[0]), draft_tokens=greedy.tokens),
+                pb.VerifySeq(seq_id=1, new_tokens=ids(t_new[0]), draft_tokens=greedy.tokens,
+                             first=step == 0),
                 pb.VerifySeq(seq_id=2, new_tokens=ids(t_new[1]), draft_tokens=samp.tokens,
-                             draft_probs=samp.probs, sampling=sampled)]))
+                             draft_probs=samp.probs, sampling=sampled, first=step == 0)]))
             assert ver.step == step and ver.timing.num_forwards == 1
             for i, (p, v) in enumerate(zip(prop.results, ver.results)):
                 assert not v.HasField("error") and 0 <= v.accepted <= len(unids(p.tokens))
@@ -187,9 +190,10 @@ def test_bad_requests(servers):
     assert "seqs[0].draft_probs.values" in err.value.details()
     # A bad sequence fails alone; the server still serves on new streams.
     reply = list(target.Verify(iter([pb.VerifyRequest(step=2, seqs=[
-        pb.VerifySeq(seq_id=4, new_tokens=ids([1, 999])),
-        pb.VerifySeq(seq_id=5, new_tokens=ids([1, 2]), sampling=pb.SamplingParams(temperature=-1)),
-        pb.VerifySeq(seq_id=6, new_tokens=ids([1, 2]))])]), timeout=10))[0]
+        pb.VerifySeq(seq_id=4, new_tokens=ids([1, 999]), first=True),
+        pb.VerifySeq(seq_id=5, new_tokens=ids([1, 2]), sampling=pb.SamplingParams(temperature=-1),
+                     first=True),
+        pb.VerifySeq(seq_id=6, new_tokens=ids([1, 2]), first=True)])]), timeout=10))[0]
     bad_token, bad_sampling, ok = reply.results
     assert bad_token.error.code == 3 and "new_tokens" in bad_token.error.message
     assert bad_sampling.error.code == 3 and "sampling.temperature" in bad_sampling.error.message

@@ -30,7 +30,7 @@ def test_shape_folder_serves_random_weights(tmp_path):
     engine = TargetEngine(EngineConfig(model=path, num_blocks=8, random_weights=True))
     assert engine.model_config.vocab_size == 9000 and engine.model_config.num_layers == 2
     # ids past the borrowed tokenizer's 8192 are fine for the model
-    out = engine.verify([VerifySeqInput(1, [5, 17, 8191, 8999, 3])]).outputs[0]
+    out = engine.verify([VerifySeqInput(1, [5, 17, 8191, 8999, 3], first=True)]).outputs[0]
     assert out.error is None and 0 <= out.next_token < 9000
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
     assert hf.config.vocab_size == 9000 and hf.config.num_hidden_layers == 2

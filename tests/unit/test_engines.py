@@ -42,8 +42,9 @@ def plain_greedy(target: TargetEngine, prompts, n_new: int, first_id: int = 1000
     ids = [first_id + i for i in range(len(prompts))]
     pending = [list(p) for p in prompts]
     out = [[] for _ in prompts]
-    for _ in range(n_new):
-        res = target.verify([VerifySeqInput(sid, pend) for sid, pend in zip(ids, pending)]).outputs
+    for step in range(n_new):
+        res = target.verify([VerifySeqInput(sid, pend, first=step == 0)
+                             for sid, pend in zip(ids, pending)]).outputs
         for i, r in enumerate(res):
             assert r.error is None and r.accepted == 0
             out[i].append(r.next_token)
@@ -63,12 +64,13 @@ def speculative(draft: DraftEngine, target: TargetEngine, prompts, ks, n_new: in
     drafted_total = accepted_total = 0
     while any(len(o) < n_new for o in out):
         live = [i for i in range(len(prompts)) if len(out[i]) < n_new]
-        prop = draft.propose([DraftSeqInput(ids[i], keep[i], d_new[i], ks[i], sampling) for i in live])
+        prop = draft.propose([DraftSeqInput(ids[i], keep[i], d_new[i], ks[i], sampling, first=not out[i])
+                              for i in live])
         assert prop.timing.num_forwards == max(1, *(ks[i] for i in live))  # k=0 still appends
         seqs = []
         for i, d in zip(live, prop.outputs):
             assert d.error is None and len(d.tokens) == ks[i]
-            seqs.append(VerifySeqInput(ids[i], t_new[i], d.tokens, d.probs, sampling))
+            seqs.append(VerifySeqInput(ids[i], t_new[i], d.tokens, d.probs, sampling, first=not out[i]))
         ver = target.verify(seqs)
         assert ver.timing.num_forwards == 1
         for i, s, v in zip(live, seqs, ver.outputs):
@@ -98,13 +100,13 @@ def test_greedy_speculation_equals_target_greedy(engines, ks):
 def test_draft_catches_up_after_all_accepted(engines):
     # keep == k: the last drafted token was never fed; the next step must feed it before new_tokens.
     draft, _ = engines
-    first = draft.propose([DraftSeqInput(1, 0, [3, 4, 5], 3)]).outputs[0]
+    first = draft.propose([DraftSeqInput(1, 0, [3, 4, 5], 3, first=True)]).outputs[0]
     assert draft.runner.num_tokens(1) == 3 + 2
     nxt = draft.propose([DraftSeqInput(1, 3, [9], 2)]).outputs[0]
     assert draft.runner.num_tokens(1) == 3 + 3 + 1 + 1
     assert draft.states[1].tokens == [3, 4, 5] + first.tokens + [9] + nxt.tokens
     # A fresh sequence with the same history drafts the same tokens.
-    fresh = draft.propose([DraftSeqInput(2, 0, [3, 4, 5] + first.tokens + [9], 2)]).outputs[0]
+    fresh = draft.propose([DraftSeqInput(2, 0, [3, 4, 5] + first.tokens + [9], 2, first=True)]).outputs[0]
     assert fresh.tokens == nxt.tokens
     draft.release([1, 2])
     assert draft.num_free_blocks == draft.runner.blocks.num_blocks
@@ -113,15 +115,17 @@ def test_draft_catches_up_after_all_accepted(engines):
 def test_sampled_draft_returns_the_distributions_it_sampled(engines):
     draft, target = engines
     params = SamplingParams(temperature=0.8, top_k=50, seed=123)
-    res = draft.propose([DraftSeqInput(7, 0, [5, 6, 7], 3, params), DraftSeqInput(8, 0, [5], 2)])
+    res = draft.propose([DraftSeqInput(7, 0, [5, 6, 7], 3, params, first=True),
+                         DraftSeqInput(8, 0, [5], 2, first=True)])
     sampled, greedy = res.outputs
     assert sampled.probs.shape == (3, draft.vocab_size) and greedy.probs is None
     for tok, row in zip(sampled.tokens, sampled.probs):
         assert row[tok] > 0 and (row > 0).sum() <= 50
     # Seeded: the same request drafts the same tokens whatever shares its batch.
-    again = draft.propose([DraftSeqInput(9, 0, [5, 6, 7], 3, params)]).outputs[0]
+    again = draft.propose([DraftSeqInput(9, 0, [5, 6, 7], 3, params, first=True)]).outputs[0]
     assert again.tokens == sampled.tokens and torch.equal(again.probs, sampled.probs)
-    ver = target.verify([VerifySeqInput(7, [5, 6, 7], sampled.tokens, sampled.probs, params)]).outputs[0]
+    ver = target.verify([VerifySeqInput(7, [5, 6, 7], sampled.tokens, sampled.probs, params,
+                                        first=True)]).outputs[0]
     assert ver.error is None and 0 <= ver.accepted <= 3 and 0 <= ver.next_token < target.vocab_size
     assert target.runner.num_tokens(7) == 3 + ver.accepted
     draft.release([7, 8, 9])
@@ -132,22 +136,23 @@ def test_bad_sequences_fail_alone(engines):
     draft, target = engines
     v = target.vocab_size
     res = target.verify([
-        VerifySeqInput(11, [1, 2, 3], [4, 5]),
-        VerifySeqInput(12, [1, v]),                                    # token outside the vocabulary
-        VerifySeqInput(13, [], [4]),                                    # nothing to score the draft with
-        VerifySeqInput(14, [1] * target.max_model_len),                 # no room for the emitted token
-        VerifySeqInput(15, [1, 2], [3], None, SamplingParams(temperature=1.0, seed=1)),  # no draft_probs
-        VerifySeqInput(11, [6]),                                        # seq_id twice
-        VerifySeqInput(16, [1, 2], [3], partial_prefill=True),
+        VerifySeqInput(11, [1, 2, 3], [4, 5], first=True),
+        VerifySeqInput(12, [1, v], first=True),                         # token outside the vocabulary
+        VerifySeqInput(13, [], [4], first=True),                        # nothing to score the draft with
+        VerifySeqInput(14, [1] * target.max_model_len, first=True),     # no room for the emitted token
+        VerifySeqInput(15, [1, 2], [3], None, SamplingParams(temperature=1.0, seed=1),
+                       first=True),                                     # no draft_probs
+        VerifySeqInput(11, [6], first=True),                            # seq_id twice
+        VerifySeqInput(16, [1, 2], [3], partial_prefill=True, first=True),
     ]).outputs
     assert res[0].error is None and res[0].next_token >= 0
     assert [r.error.code for r in res[1:]] == [Code.INVALID_ARGUMENT] * 6
     assert "new_tokens" in res[1].error.message and "draft_probs" in res[4].error.message
     assert set(target.runner.blocks.seq_ids()) == {11}  # failed new sequences hold nothing
     res = draft.propose([
-        DraftSeqInput(21, 0, [1, 2], 2),
-        DraftSeqInput(22, 0, [1], draft.config.max_num_draft + 1),
-        DraftSeqInput(23, 0, [], 1),
+        DraftSeqInput(21, 0, [1, 2], 2, first=True),
+        DraftSeqInput(22, 0, [1], draft.config.max_num_draft + 1, first=True),
+        DraftSeqInput(23, 0, [], 1, first=True),
     ]).outputs
     assert res[0].error is None and len(res[0].tokens) == 2
     assert "num_draft" in res[1].error.message and "new_tokens" in res[2].error.message
@@ -164,12 +169,13 @@ def test_out_of_blocks_is_resource_exhausted_and_leaks_nothing(pair):
     target_path, draft_path = pair
     target = TargetEngine(engine_config(target_path, num_blocks=4))   # 16 token slots
     draft = DraftEngine(engine_config(draft_path, num_blocks=4))
-    res = target.verify([VerifySeqInput(1, [1] * 7), VerifySeqInput(2, [2] * 10),
-                         VerifySeqInput(3, [3] * 4)]).outputs
+    res = target.verify([VerifySeqInput(1, [1] * 7, first=True), VerifySeqInput(2, [2] * 10, first=True),
+                         VerifySeqInput(3, [3] * 4, first=True)]).outputs
     assert res[0].error is None and res[2].error is None
     assert res[1].error.code == Code.RESOURCE_EXHAUSTED and "kv cache" in res[1].error.message
     assert set(target.runner.blocks.seq_ids()) == {1, 3}
-    res = draft.propose([DraftSeqInput(1, 0, [1] * 6, 3), DraftSeqInput(2, 0, [2] * 8, 2)]).outputs
+    res = draft.propose([DraftSeqInput(1, 0, [1] * 6, 3, first=True),
+                         DraftSeqInput(2, 0, [2] * 8, 2, first=True)]).outputs
     assert res[0].error is None and res[1].error.code == Code.RESOURCE_EXHAUSTED
     target.release([1, 2, 3])
     draft.release([1, 2])
@@ -186,7 +192,7 @@ def test_info_and_profile(engines, pair):
     assert len(info.tokenizer_fingerprint) == 64
     assert info.tokenizer_fingerprint == draft.info().tokenizer_fingerprint
     assert info.dtype == "float32" and info.device == "cpu" and info.eos_token_ids == (0,)
-    timing = target.verify([VerifySeqInput(5, [1, 2, 3])]).timing
+    timing = target.verify([VerifySeqInput(5, [1, 2, 3], first=True)]).timing
     assert timing.forward_seconds > 0 and timing.decode_forward_seconds == target.profile(1)
     target.release([5])
 
@@ -194,8 +200,8 @@ def test_info_and_profile(engines, pair):
 def test_chunked_prefill_matches_whole_prompt(engines):
     _, target = engines
     prompt = PROMPTS[1]
-    whole = target.verify([VerifySeqInput(31, prompt)]).outputs[0]
-    first = target.verify([VerifySeqInput(32, prompt[:4], partial_prefill=True)]).outputs[0]
+    whole = target.verify([VerifySeqInput(31, prompt, first=True)]).outputs[0]
+    first = target.verify([VerifySeqInput(32, prompt[:4], partial_prefill=True, first=True)]).outputs[0]
     assert first.error is None and first.next_token == -1 and target.runner.num_tokens(32) == 4
     last = target.verify([VerifySeqInput(32, prompt[4:])]).outputs[0]
     assert last.next_token == whole.next_token and target.runner.num_tokens(32) == len(prompt)
@@ -222,8 +228,9 @@ def test_sampled_speculation_keeps_the_target_distribution(tmp_path):
     for start in range(0, n, batch):
         seqs = [SamplingParams(temperature=1.5, top_k=6, seed=start + i) for i in range(batch)]
         sids = [5000 + start + i for i in range(batch)]
-        prop = draft.propose([DraftSeqInput(s, 0, prompt, 2, sp) for s, sp in zip(sids, seqs)]).outputs
-        ver = target.verify([VerifySeqInput(s, prompt, d.tokens, d.probs, sp)
+        prop = draft.propose([DraftSeqInput(s, 0, prompt, 2, sp, first=True)
+                              for s, sp in zip(sids, seqs)]).outputs
+        ver = target.verify([VerifySeqInput(s, prompt, d.tokens, d.probs, sp, first=True)
                              for s, d, sp in zip(sids, prop, seqs)]).outputs
         for d, v in zip(prop, ver):
             counts[d.tokens[0] if v.accepted else v.next_token] += 1
