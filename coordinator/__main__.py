@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                    help="auto: pick num_draft per request from its acceptance and the cost ratio c")
     p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default)
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float,
-                   default=d["connect_timeout_s"].default)
+                   default=d["connect_timeout_s"].default,
+                   help="seconds to wait for a server at start-up, and for a lost target to come back "
+                        "before its running requests end with UNAVAILABLE")
     p.add_argument("--draft-timeout", dest="draft_timeout_s", type=float,
                    default=d["draft_timeout_s"].default)
     p.add_argument("--draft-retry", dest="draft_retry_s", type=float, default=d["draft_retry_s"].default)

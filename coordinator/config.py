@@ -24,7 +24,7 @@ class CoordinatorConfig:
     max_num_draft: int = 8            # most a request (or the auto policy) may ask for
     gamma_policy: str = "fixed"       # how num_draft is chosen when a request leaves it to us
     prefill_chunk: int = 512          # prompt tokens per target step (longer prompts are chunked)
-    connect_timeout_s: float = 60.0   # how long start-up waits for the servers
+    connect_timeout_s: float = 60.0   # how long start-up, and recovery from a lost target, wait for a server
     draft_timeout_s: float = 30.0     # a draft step slower than this counts as the draft failing
     draft_retry_s: float = 5.0        # how often a lost draft server is tried again
     grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long

@@ -12,6 +12,7 @@ from specdec.config import CacheConfig
 from specdec.kernels.reference import TorchAttention
 from specdec.kv_cache import KVCache
 from specdec.models.llama import LlamaModel
+from specdec.staging import as_device_tensor
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ class ModelRunner:
         dev = self.device
 
         def as_tensor(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+            # Pinned staging on CUDA: the copies queue behind the previous step's kernels instead
+            # of waiting for them. Separate tensors, not views of one packed buffer: Triton
+            # specialises on pointer alignment, so sliced offsets would compile extra variants.
+            return as_device_tensor(x, dtype, dev)
 
         return ForwardBatch(
             input_ids=as_tensor(ids, torch.int64), positions=as_tensor(positions, torch.int64),

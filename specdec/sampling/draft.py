@@ -6,6 +6,7 @@ import torch
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rng import DRAFT, uniform
 from specdec.sampling.transport import round_probs, sample_from
+from specdec.staging import to_device
 
 
 def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor,
@@ -18,5 +19,5 @@ def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torc
     Greedy rows give their argmax with a one-hot q (which the target does not need).
     """
     q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
-    u = uniform(tensors.seeds, positions.to(tensors.seeds.device), DRAFT)
+    u = uniform(tensors.seeds, to_device(positions, tensors.seeds.device), DRAFT)
     return sample_from(q, u), q

@@ -19,6 +19,7 @@ from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import seed_to_int64
 from specdec.sampling.transport import (  # noqa: F401  (the transport API is reached from here too)
     EncodedProbs, ProbsDecodeError, decode_probs, encode_probs, normalize, round_probs, sample_from)
+from specdec.staging import as_device_tensor, to_device
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,15 @@ class SamplingTensors:
             seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
         if len(seeds) != len(params):
             raise ValueError(f"seeds: {len(seeds)} for {len(params)} rows")
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        # Three staged copies (one per dtype) rather than one per field.
+        floats = as_device_tensor([[1.0 if p.greedy else p.temperature for p in params],
+                                   [p.top_p for p in params], [p.min_p for p in params]],
+                                  torch.float32, device)                                # [3, R]
+        ints = as_device_tensor([[p.top_k for p in params], [seed_to_int64(s) for s in seeds]],
+                                torch.int64, device)                                    # [2, R]
         return cls(
-            temperature=t([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            greedy=t([p.greedy for p in params], torch.bool),
-            seeds=t([seed_to_int64(s) for s in seeds], torch.int64),
+            temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
+            greedy=as_device_tensor([p.greedy for p in params], torch.bool, device), seeds=ints[1],
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
@@ -76,7 +75,7 @@ class SamplingTensors:
     def repeat(self, counts: Sequence[int]) -> "SamplingTensors":
         """Row b repeated counts[b] times (host counts): per-sequence params -> flat verify rows."""
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
-        return self.index(rows.to(self.greedy.device, non_blocking=True))
+        return self.index(to_device(rows, self.greedy.device))
 
 
 def logits_to_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

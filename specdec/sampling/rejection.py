@@ -11,7 +11,9 @@ draft_probs=None means the drafts were chosen deterministically (q one-hot at th
 which is exact for a greedy draft whatever the target samples.
 
 Everything after the host-built index layout is tensor ops on the device: no .item(), no syncs, the
-same code on CPU and CUDA. The caller copies the result to the host once (SpecOutput.to_host).
+same code on CPU and CUDA. Host-built tensors reach the device through pinned staging
+(specdec/staging.py), never a blocking copy. The caller copies the result to the host once
+(SpecOutput.to_host).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rng import ACCEPT, RESAMPLE, uniform
 from specdec.sampling.transport import normalize, sample_from
+from specdec.staging import as_device_tensor, to_device
 
 
 @dataclass(frozen=True)
@@ -78,22 +81,29 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
                          f"draft tokens, got {n} and {m}")
     if draft_probs is not None and draft_probs.shape != (m, v):
         raise ValueError(f"draft_probs: shape {tuple(draft_probs.shape)}, expected {(m, v)}")
-    positions = torch.as_tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+    if isinstance(positions, torch.Tensor):
+        positions = to_device(positions.long(), dev)
+    else:
+        positions = as_device_tensor(positions, torch.int64, dev)
+    seeds, draft_tokens = to_device(seeds, dev), to_device(draft_tokens, dev)
+    if draft_probs is not None:
+        draft_probs = to_device(draft_probs, dev)
 
-    # Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts.
+    # Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
+    # copied in one staged transfer.
     k = torch.tensor(counts, dtype=torch.int64)
     p_start, q_start = torch.cumsum(k + 1, 0) - (k + 1), torch.cumsum(k, 0) - k
     j = torch.arange(kmax + 1)[None, :]
     p_rows = p_start[:, None] + torch.minimum(j, k[:, None])
     q_rows = (q_start[:, None] + j).clamp(0, max(m - 1, 0))
     layout = torch.cat([k[:, None], p_start[:, None], q_start[:, None], p_rows, q_rows], 1)
-    layout = layout.to(dev, non_blocking=True)
+    layout = to_device(layout, dev)
     k, p_start, q_start = layout[:, 0], layout[:, 1], layout[:, 2]
     p_rows, q_rows = layout[:, 3:kmax + 4], layout[:, kmax + 4:]
-    j = j.to(dev)
+    j = torch.arange(kmax + 1, device=dev)[None, :]       # made on the device: no copy at all
     is_draft = j < k[:, None]                                                   # [B, kmax+1]
 
-    x = draft_tokens.to(dev)[q_rows] if m else torch.zeros_like(p_rows)       # [B, kmax+1]
+    x = draft_tokens[q_rows] if m else torch.zeros_like(p_rows)               # [B, kmax+1]
     p_x = target_probs[p_rows, x].double()
     if draft_probs is None or not m:
         q_x = torch.ones_like(p_x)
@@ -109,7 +119,7 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
     if m:
         q_row = (q_start + accepted).clamp(max=m - 1)
         if draft_probs is None:
-            q_final = torch.zeros_like(p_final).scatter_(1, draft_tokens.to(dev)[q_row, None], 1.0)
+            q_final = torch.zeros_like(p_final).scatter_(1, draft_tokens[q_row, None], 1.0)
         else:
             q_final = normalize(draft_probs[q_row])
         dist = torch.where((accepted < k)[:, None], residual_probs(p_final, q_final), p_final)

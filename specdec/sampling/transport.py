@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.staging import to_device
+
 TRANSPORT_DTYPES = {"DENSE_FP16": torch.float16, "DENSE_BF16": torch.bfloat16}
 ENCODINGS = ("DENSE_FP16", "DENSE_BF16", "SPARSE_FP16")  # ProbsEncoding without its prefix
 _BF16_FLUSH = 2.0 ** -40
@@ -138,4 +140,4 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         fail("values", "must be finite and >= 0")
     if rows and (w.sum(-1) <= 0).any():
         fail("values", "every row needs some probability mass")
-    return w.to(device, non_blocking=True)
+    return to_device(w, device)

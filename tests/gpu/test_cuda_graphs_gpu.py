@@ -2,26 +2,14 @@
 import pytest
 import torch
 
-from specdec.config import CacheConfig
-from specdec.models.loader import load_model
-from specdec.runner import ModelRunner, SeqInput
-from tests.helpers.tiny_models import make_checkpoint
+from specdec.runner import SeqInput
+from tests.helpers.graph_runners import eager_and_graphed
 
 pytestmark = pytest.mark.gpu
 
 
 def test_graph_replay_matches_eager(tmp_path):
-    path = make_checkpoint(tmp_path, with_tokenizer=False, heads=4, kv_heads=2, hidden=128)
-    runners = []
-    for graphs in (False, True):
-        model, cfg = load_model(path, device="cuda")
-        runner = ModelRunner(model, CacheConfig(num_blocks=64, block_size=16))
-        if graphs:
-            runner.enable_cuda_graphs(max_model_len=256, query_lens=(1, 4), batch_sizes=(1, 2, 4, 8))
-        runners.append(runner)
-    gen = torch.Generator().manual_seed(0)
-    prompts = {s: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-               for s, n in [(0, 17), (1, 5), (2, 40)]}
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 4), batch_sizes=(1, 2, 4, 8))
     outs = []
     for runner in runners:
         got = []

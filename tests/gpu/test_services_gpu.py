@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from coordinator.launch import local_cluster
-from specdec.config import CacheConfig, EngineConfig
+from specdec.config import EngineConfig
 from specdec.engine import DraftEngine, TargetEngine
-from specdec.models.loader import load_model
-from specdec.runner import ModelRunner, SeqInput
-from tests.helpers.tiny_models import make_checkpoint
+from specdec.runner import SeqInput
+from tests.helpers.graph_runners import eager_and_graphed
 from tests.integration.test_services import run_many
 from tests.unit.test_engines import PROMPTS, plain_greedy, speculative
 
@@ -28,17 +27,7 @@ CODE_PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef ma
 
 
 def test_ragged_batches_replay_graphs_with_eager_logits(tmp_path):
-    path = make_checkpoint(tmp_path, with_tokenizer=False, heads=4, kv_heads=2, hidden=128)
-    runners = []
-    for graphs in (False, True):
-        model, cfg = load_model(path, device="cuda")
-        runner = ModelRunner(model, CacheConfig(num_blocks=64, block_size=16))
-        if graphs:
-            runner.enable_cuda_graphs(max_model_len=256, query_lens=(1, 2, 5), batch_sizes=(1, 2, 4))
-        runners.append(runner)
-    gen = torch.Generator().manual_seed(0)
-    prompts = {s: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-               for s, n in [(0, 17), (1, 5), (2, 40)]}
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 2, 5), batch_sizes=(1, 2, 4))
     outs = []
     for runner in runners:
         got = []

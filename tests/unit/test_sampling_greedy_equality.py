@@ -4,26 +4,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from specdec.config import CacheConfig
 from specdec.models.loader import load_model
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from tests.helpers.spec_loop import greedy_reference, speculative_generate
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
 from tests.helpers.tiny_models import make_pair
 
 VOCAB, MAX_NEW, NUM_PROMPTS = 320, 20, 50
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared 2-core machines (a 25x
-    slowdown measured under load), so these tests run single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

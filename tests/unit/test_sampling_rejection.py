@@ -1,6 +1,8 @@
 """Rejection sampler: the output has the target's distribution (chi-square), edge cases, batching."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -12,19 +14,10 @@ from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rejection import rejection_sample, rejection_sample_probs
 from specdec.sampling.transport import decode_probs, encode_probs, normalize, round_probs
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
 
 N = 20_000
 PASS, FAIL = 1e-3, 1e-6  # the seeds are fixed, so these are deterministic outcomes, not flaky ones
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared 2-core machines (a 25x
-    slowdown measured under load), so these tests run single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
@@ -286,8 +279,25 @@ def test_shape_errors_are_clear():
         rejection_sample(torch.zeros(2, 8), torch.zeros(0, dtype=torch.int64), None, [0, -1], t, [0, 0])
 
 
+@contextmanager
+def sync_is_an_error(dev: str):
+    """On CUDA, any host-device synchronisation inside the block raises (torch's sync debug mode)."""
+    if dev != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.gpu
 def test_same_output_on_cuda_without_host_sync():
+    """The draft's and the target's sampling steps as the engines run them (parameters and
+    positions from the host, counts on the host) give the CPU's tokens without one sync. The
+    test's own copies and the boolean-mask selection (a nonzero: a sync) stay outside."""
     vocab, n = 32, 256
     target_logits, draft_logits = make_case(vocab, 4, seed=13)
     params = [SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=i) if i % 3 else SamplingParams()
@@ -295,19 +305,15 @@ def test_same_output_on_cuda_without_host_sync():
     counts = [i % 4 for i in range(n)]
     results = []
     for dev in ("cpu", "cuda"):
-        t = SamplingTensors.from_params(params, dev)
-        pos = torch.zeros(n, dtype=torch.int64, device=dev)
         rows = torch.cat([torch.arange(k + 1) for k in counts]).to(dev)
-        toks, qs = zip(*[draft_sample(draft_logits[j].to(dev).expand(n, -1), t, pos + j) for j in range(3)])
         sel = (torch.arange(3)[None, :] < torch.tensor(counts)[:, None]).to(dev)
+        logits, draft_logits_dev = target_logits.to(dev)[rows], draft_logits.to(dev)
+        with sync_is_an_error(dev):
+            t = SamplingTensors.from_params(params, dev)
+            pos = torch.zeros(n, dtype=torch.int64, device=dev)
+            toks, qs = zip(*[draft_sample(draft_logits_dev[j].expand(n, -1), t, pos + j) for j in range(3)])
         dt, dp = torch.stack(toks, 1)[sel], torch.stack(qs, 1)[sel]
-        if dev == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = rejection_sample(target_logits.to(dev)[rows], dt, dp, counts, t, pos)
-        finally:
-            if dev == "cuda":
-                torch.cuda.set_sync_debug_mode(0)
+        with sync_is_an_error(dev):
+            out = rejection_sample(logits, dt, dp, counts, t, [0] * n)
         results.append(out.to_host())
     assert results[0] == results[1]
