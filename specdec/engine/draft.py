@@ -14,6 +14,7 @@ from specdec.config import EngineConfig
 from specdec.runner import SeqInput
 from specdec.sampling.draft import draft_sample
 from specdec.sampling.probs import SamplingTensors
+from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
                                   StepTiming, unknown_seq)
@@ -162,11 +163,15 @@ class DraftEngine(ModelEngine):
                 drafted[i].append(next(host))
                 if not plans[i].seq.sampling.greedy:
                     qs[i].append(q[j])
-        return drafted, [torch.stack(q).cpu() if q else None for q in qs]
+        # All sampled rows in one device-to-host copy, split on the host (not a sync per sequence).
+        flat = [row for rows_i in qs for row in rows_i]
+        parts = torch.stack(flat).cpu().split([len(q) for q in qs]) if flat else [None] * len(qs)
+        return drafted, [part if q else None for q, part in zip(qs, parts)]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        # non_blocking: a plain .to(cuda) of a host tensor waits for the stream, a sync per position.
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        # A plain .to(cuda) of a host tensor waits for the stream, a sync per position; pinned
+        # staging queues the copy behind the running forward.
+        return as_device_tensor(values, torch.int64, self.device)
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:
         # Forwards after the first feed exactly one token per sequence: live single-token samples.

@@ -11,6 +11,7 @@ import torch
 from specdec.runner import SeqInput
 from specdec.sampling.probs import SamplingTensors
 from specdec.sampling.rejection import rejection_sample
+from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
                                   VerifySeqInput, unknown_seq)
@@ -126,7 +127,7 @@ class TargetEngine(ModelEngine):
         counts = [len(p.seq.draft_tokens) for p in sp]
         flat_logits = torch.cat([logits[i] for i in scored])                  # [sum(k+1), V]
         drafts = [t for p in sp for t in p.seq.draft_tokens]
-        draft_tokens = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
+        draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
         out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
                                SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
                                [p.first_draft_position for p in sp]).to_host()

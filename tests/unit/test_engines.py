@@ -2,24 +2,18 @@
 per-sequence errors stay per sequence."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from specdec.config import EngineConfig
 from specdec.engine import (Code, DraftEngine, DraftSeqInput, TargetEngine, VerifySeqInput)
 from specdec.sampling.params import SamplingParams
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
 from tests.helpers.tiny_models import make_pair
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 2, 2, 2, 8, 64, 10, 11, 12], [1], [250, 251, 252]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a busy 2-core machine are far faster single-threaded (no OpenMP spinning).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +189,18 @@ def test_info_and_profile(engines, pair):
     timing = target.verify([VerifySeqInput(5, [1, 2, 3], first=True)]).timing
     assert timing.forward_seconds > 0 and timing.decode_forward_seconds == target.profile(1)
     target.release([5])
+
+
+def test_warm_up_prefills_fit_the_limits_and_free_their_kv(pair, caplog):
+    target = TargetEngine(engine_config(pair[0], max_model_len=64, num_blocks=24))  # 4-token blocks
+    with caplog.at_level(logging.INFO, logger="specdec.engine"):
+        table = target.warm_up(repeats=1)
+        assert "0 prefill forwards (batch x prompt length: none)" in caplog.text  # CPU default
+        target.warm_up(repeats=1, prompt_lens=(3, 40, 10_000))
+    # 10_000 is capped to max_model_len 64 (16 blocks): batch 2 would need 32 of the 24 blocks.
+    assert "5 prefill forwards (batch x prompt length: 1x3, 2x3, 1x40, 2x40, 1x64)" in caplog.text
+    assert set(table) == {1, 2} and target.num_sequences() == 0
+    assert target.num_free_blocks == target.runner.blocks.num_blocks == 24
 
 
 def test_chunked_prefill_matches_whole_prompt(engines):
