@@ -153,10 +153,6 @@ class CacheConfig:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
 
-    @property
-    def max_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from coordinator.client import Client
 from coordinator.launch import local_cluster
+from specdec.cost_model import expected_speedup
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = '''import os
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = generate(client, args.prompt, args.max_new_tokens, speculate=True, stream=True)
             print("\n" + "─" * 72, flush=True)
             plain = generate(client, args.prompt, args.max_new_tokens, speculate=False, stream=False)
-        metrics = scrape(getattr(cluster, "metrics", {}).get("coordinator"))
+        metrics = scrape(cluster.metrics.get("coordinator"))
     report(spec, plain, args.num_draft, metrics)
     return 0 if spec.text == plain.text else 1
 
@@ -133,10 +134,11 @@ def report(spec: Run, plain: Run, gamma: int, metrics: dict[str, float]) -> None
     ]
     if c is not None:
         a = alpha_tok if alpha_tok is not None else alpha
-        expected = (1 - a ** (gamma + 1)) / ((1 - a) * (gamma * c + 1))
         lines.append(f"cost coefficient c (draft/target forward, batch 1): {c:.3f}"
                      + (f"; c_system (with RPC): {c_system:.3f}" if c_system is not None else ""))
-        lines.append(f"expected speedup (Leviathan, α={a:.3f}, γ={gamma}, c={c:.3f}): {expected:.2f}x")
+        if 0.0 <= a <= 1.0:  # NaN (nothing drafted) has no expected speedup
+            lines.append(f"expected speedup (Leviathan, α={a:.3f}, γ={gamma}, c={c:.3f}): "
+                         f"{expected_speedup(a, gamma, c):.2f}x")
     else:
         lines.append("cost coefficient c: not exported by this coordinator (no metrics endpoint)")
     lines.append(f"measured speedup (speculative / plain tok/s): "

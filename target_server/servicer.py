@@ -19,7 +19,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
 
     def _step(self, request: pb.VerifyRequest, received: float) -> pb.VerifyResponse:
         engine = self.runtime.engine
-        prepared = convert.verify_seqs_from_pb(request)
+        prepared = convert.verify_seqs_from_pb(request, engine.vocab_size, engine.config.max_num_draft)
         step = engine.verify([p for p in prepared if not isinstance(p, convert.SeqError)],
                              list(request.release))
         outputs = convert.merge(prepared, step.outputs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -19,10 +19,9 @@ from specdec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from specdec.kv_cache import KVCache
 from specdec.models.loader import build_model, init_random, load_model
 from specdec.runner import ModelRunner, SeqInput
-from specdec.sampling.params import SamplingParams, SamplingParamsError
 from specdec.tokenizer_info import tokenizer_fingerprint
 from specdec.engine.timing import DecodeProfile, ForwardClock
-from specdec.engine.types import Code, ModelInfo, SeqFailure
+from specdec.engine.types import Code, ModelInfo, SeqError, SeqFailure
 
 log = logging.getLogger("specdec.engine")
 
@@ -139,12 +138,6 @@ class ModelEngine:
             raise SeqFailure(Code.INVALID_ARGUMENT,
                              f"{field}: token id {bad} outside the vocabulary 0..{self.vocab_size - 1}")
 
-    def check_sampling(self, params: SamplingParams) -> None:
-        try:
-            params.validate_against_vocab(self.vocab_size)
-        except SamplingParamsError as e:
-            raise SeqFailure(Code.INVALID_ARGUMENT, f"sampling.{e}") from None
-
     def check_length(self, total: int, what: str) -> None:
         if total > self.max_model_len:
             raise SeqFailure(Code.INVALID_ARGUMENT,
@@ -157,6 +150,32 @@ class ModelEngine:
                              f"{field}: {n} outside 0..{self.config.max_num_draft}")
 
     # --- admission ---------------------------------------------------------------------------
+    def admit_step(self, seqs: Sequence, plan: Callable) -> tuple[list, list[SeqError | None]]:
+        """The admission loop of a step. Per sequence (each has seq_id and first): plan(index, seq)
+        validates it and returns the engine's plan, raising SeqFailure and changing nothing a
+        failure would have to undo; a `first` sequence the server already holds is restarted (an
+        idempotent resend: the old state goes and its blocks count as free for this step); then
+        the blocks to reach the plan's kv_len_after are reserved. Returns the admitted plans
+        (their `admission` set) and, per sequence, its error or None."""
+        plans = []
+        errors: list[SeqError | None] = [None] * len(seqs)
+        budget = [self.num_free_blocks]
+        seen: set[int] = set()
+        for i, seq in enumerate(seqs):
+            try:
+                if seq.seq_id in seen:
+                    raise SeqFailure(Code.INVALID_ARGUMENT, f"seq_id: {seq.seq_id} appears twice in one step")
+                seen.add(seq.seq_id)
+                p = plan(i, seq)
+                if seq.first and seq.seq_id in self.runner.blocks:
+                    budget[0] += len(self.runner.blocks.block_table(seq.seq_id))
+                    self._forget(seq.seq_id)
+                p.admission = self.admit(seq.seq_id, p.kv_len_after, budget)
+                plans.append(p)
+            except SeqFailure as f:
+                errors[i] = f.error
+        return plans, errors
+
     def blocks_to_grow(self, seq_id: int, kv_len_after: int) -> int:
         blocks = self.runner.blocks
         have = len(blocks.block_table(seq_id)) if seq_id in blocks else 0

@@ -37,6 +37,10 @@ class Plan:
     feed: list[int]       # tokens to run through the model before the first draft
     admission: Admission | None = None
 
+    @property
+    def kv_len_after(self) -> int:
+        return len(self.tokens) + max(self.seq.num_draft - 1, 0)  # the last draft is never fed
+
 
 class DraftEngine(ModelEngine):
     def __init__(self, config: EngineConfig):
@@ -55,24 +59,9 @@ class DraftEngine(ModelEngine):
     def propose(self, seqs: Sequence[DraftSeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
         self.release(release)
-        outputs: list[DraftOutput | None] = [None] * len(seqs)
-        plans: list[Plan] = []
-        budget = [self.num_free_blocks]
-        seen: set[int] = set()
-        for i, seq in enumerate(seqs):
-            try:
-                plan = self._plan(i, seq, seen)
-                if seq.first and seq.seq_id in self.runner.blocks:
-                    # A restart from the start (idempotent resend): the old state goes, its
-                    # blocks count as free for this step's admissions.
-                    budget[0] += len(self.runner.blocks.block_table(seq.seq_id))
-                    self._forget(seq.seq_id)
-                # The KV grows to tokens + num_draft - 1 (the last draft is never fed).
-                plan.admission = self.admit(seq.seq_id, len(plan.tokens) + max(seq.num_draft - 1, 0),
-                                            budget)
-                plans.append(plan)
-            except SeqFailure as f:
-                outputs[i] = DraftOutput(seq.seq_id, error=f.error)
+        plans, errors = self.admit_step(seqs, self._plan)
+        outputs: list[DraftOutput | None] = [None if e is None else DraftOutput(s.seq_id, error=e)
+                                             for s, e in zip(seqs, errors)]
         clock = self.clock()
         try:
             drafted, probs = self._draft(plans, clock)
@@ -89,17 +78,14 @@ class DraftEngine(ModelEngine):
                             decode_forward_seconds=self.profile(len(plans)))
         return StepResult(outputs, timing)
 
-    def _plan(self, index: int, seq: DraftSeqInput, seen: set[int]) -> Plan:
+    def _plan(self, index: int, seq: DraftSeqInput) -> Plan:
         """Validates one sequence and rolls its KV back to what survives; no other state changes
         (a sequence failing later in the step keeps its old state, consistent with the shorter KV)."""
-        if seq.seq_id in seen:
-            raise SeqFailure(Code.INVALID_ARGUMENT, f"seq_id: {seq.seq_id} appears twice in one step")
-        seen.add(seq.seq_id)
         self.check_num_draft(seq.num_draft, "num_draft")
         self.check_tokens(seq.new_tokens, "new_tokens")
-        self.check_sampling(seq.sampling)
         # `first` restarts the sequence: whatever is held under the id is dropped once the plan is
-        # valid (propose), so a resend from the start is idempotent and an invalid one changes nothing.
+        # valid (admit_step), so a resend from the start is idempotent and an invalid one changes
+        # nothing.
         state = None if seq.first else self.states.get(seq.seq_id)
         if state is None:
             if not seq.first:

@@ -10,7 +10,7 @@ import torch
 
 from specdec.runner import SeqInput
 from specdec.sampling.probs import SamplingTensors
-from specdec.sampling.rejection import rejection_sample
+from specdec.sampling.rejection import one_hot_probs, rejection_sample
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
@@ -22,7 +22,11 @@ class Plan:
     index: int
     seq: VerifySeqInput
     start: int             # tokens in the KV before the step
-    admission: Admission
+    admission: Admission | None = None
+
+    @property
+    def kv_len_after(self) -> int:
+        return self.start + len(self.seq.new_tokens) + len(self.seq.draft_tokens)
 
     @property
     def num_logits(self) -> int:
@@ -41,22 +45,9 @@ class TargetEngine(ModelEngine):
     def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
         self.release(release)
-        outputs: list[VerifyOutput | None] = [None] * len(seqs)
-        plans: list[Plan] = []
-        budget = [self.num_free_blocks]
-        seen: set[int] = set()
-        for i, seq in enumerate(seqs):
-            try:
-                start = self._validate(seq, seen)
-                if seq.first and seq.seq_id in self.runner.blocks:
-                    # A restart from the start (idempotent resend): the old state goes, its
-                    # blocks count as free for this step's admissions.
-                    budget[0] += len(self.runner.blocks.block_table(seq.seq_id))
-                    self._forget(seq.seq_id)
-                total = start + len(seq.new_tokens) + len(seq.draft_tokens)
-                plans.append(Plan(i, seq, start, self.admit(seq.seq_id, total, budget)))
-            except SeqFailure as f:
-                outputs[i] = VerifyOutput(seq.seq_id, error=f.error)
+        plans, errors = self.admit_step(seqs, self._plan)
+        outputs: list[VerifyOutput | None] = [None if e is None else VerifyOutput(s.seq_id, error=e)
+                                              for s, e in zip(seqs, errors)]
         clock = self.clock()
         try:
             results = self._score(plans, clock)
@@ -75,11 +66,8 @@ class TargetEngine(ModelEngine):
                             decode_forward_seconds=self.profile(len(plans)))
         return StepResult(outputs, timing)
 
-    def _validate(self, seq: VerifySeqInput, seen: set[int]) -> int:
-        """Checks one sequence without changing anything; returns its KV length now."""
-        if seq.seq_id in seen:
-            raise SeqFailure(Code.INVALID_ARGUMENT, f"seq_id: {seq.seq_id} appears twice in one step")
-        seen.add(seq.seq_id)
+    def _plan(self, index: int, seq: VerifySeqInput) -> Plan:
+        """Checks one sequence without changing anything; the plan starts from its KV length now."""
         if not seq.new_tokens:
             # The token scoring the first draft must be fed; the target never holds its own last one.
             raise SeqFailure(Code.INVALID_ARGUMENT, f"new_tokens: empty for sequence {seq.seq_id}")
@@ -89,7 +77,6 @@ class TargetEngine(ModelEngine):
             raise SeqFailure(Code.INVALID_ARGUMENT, "draft_tokens: must be empty with partial_prefill")
         self.check_tokens(seq.new_tokens, "new_tokens")
         self.check_tokens(seq.draft_tokens, "draft_tokens")
-        self.check_sampling(seq.sampling)
         if k and not seq.sampling.greedy:
             q = seq.draft_probs
             if q is None:
@@ -109,7 +96,7 @@ class TargetEngine(ModelEngine):
             raise unknown_seq(seq.seq_id)
         emitted = 0 if seq.partial_prefill else 1
         self.check_length(start + len(seq.new_tokens) + k + emitted, "new_tokens + draft_tokens")
-        return start
+        return Plan(index, seq, start)
 
     def _score(self, plans: list[Plan], clock) -> list[tuple[int, int]]:
         """The forward and the rejection sampler; (accepted, next_token) per plan."""
@@ -148,7 +135,7 @@ class TargetEngine(ModelEngine):
             if not k:
                 continue
             if p.seq.sampling.greedy:
-                rows.append(torch.nn.functional.one_hot(torch.tensor(p.seq.draft_tokens), v).float())
+                rows.append(one_hot_probs(torch.tensor(p.seq.draft_tokens), v))
                 continue
             q = p.seq.draft_probs.float().cpu()
             q = q[:, :v] if q.shape[1] >= v else torch.nn.functional.pad(q, (0, v - q.shape[1]))

@@ -1,9 +1,9 @@
-"""Per-request sampling parameters, validated once where the request enters (errors name the field)."""
+"""Per-sequence sampling parameters as the model servers get them, validated on construction
+(errors name the field). Seeds are drawn by the coordinator when a request arrives without one."""
 from __future__ import annotations
 
 import math
-import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 SEED_LIMIT = 2**64  # seeds are uint64 on the wire
 
@@ -26,9 +26,7 @@ class SamplingParams:
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off; 0 (the proto3 default) is read as off too
     min_p: float = 0.0         # 0 = off
-    seed: int | None = None    # None: resolve_seed() draws one when the request starts
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None    # None: unseeded (the coordinator always sends one)
 
     def __post_init__(self) -> None:
         def fail(field: str, msg: str) -> None:
@@ -39,22 +37,13 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k < 0:
             fail("top_k", "must be an integer >= 0 (0 = off)")
         if not _is_number(self.top_p) or not 0 <= self.top_p <= 1:
-            fail("top_p", "must be in (0, 1] (0 or 1 = off)")
+            fail("top_p", "must be in [0, 1] (0 or 1 = off)")
         if self.top_p == 0:
             object.__setattr__(self, "top_p", 1.0)
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             fail("seed", "must be an integer in [0, 2**64) or None")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            fail("max_new_tokens", "must be an integer >= 1")
-        try:
-            stops = tuple(self.stop_token_ids)
-        except TypeError:
-            fail("stop_token_ids", "must be a sequence of token ids")
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            fail("stop_token_ids", "must all be integers >= 0")
-        object.__setattr__(self, "stop_token_ids", stops)
         # Floats are stored as floats so equal requests compare and hash equal.
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -63,18 +52,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def validate_against_vocab(self, vocab_size: int) -> None:
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise SamplingParamsError(
-                f"stop_token_ids: {bad[0]} is outside the vocabulary of {vocab_size} tokens")
-
-
-def resolve_seed(params: SamplingParams) -> SamplingParams:
-    """The params with a seed: the request's own, or a fresh random one. Called once per request
-    (by the coordinator) so draft and target derive all randomness from the same seed and a retried
-    or replayed step reproduces its tokens."""
-    if params.seed is not None:
-        return params
-    return replace(params, seed=secrets.randbits(64))

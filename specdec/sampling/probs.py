@@ -41,7 +41,7 @@ class SamplingTensors:
                     seeds: Sequence[int] | None = None) -> "SamplingTensors":
         """seeds overrides params' seeds. A row with neither gets a fresh random seed on every call:
         still lossless (fresh randomness always is) but not reproducible, and never a seed shared
-        by all unseeded requests. Resolve seeds once per request (params.resolve_seed) instead."""
+        by all unseeded requests. The coordinator seeds every request once, when it arrives."""
         if seeds is None:
             seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
         if len(seeds) != len(params):

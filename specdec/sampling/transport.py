@@ -99,18 +99,27 @@ def encode_probs(weights: torch.Tensor, dtype: torch.dtype = torch.float16,
 
 def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DENSE_FP16",
                  indices: bytes = b"", row_lengths: bytes = b"",
-                 device: torch.device | str = "cpu") -> torch.Tensor:
+                 device: torch.device | str = "cpu", *, max_vocab: int | None = None,
+                 expected_rows: int | None = None) -> torch.Tensor:
     """Packed bytes -> float32 weights [rows, vocab_size] on device, exactly what was encoded.
 
-    Validates on the host (the bytes come from the network) before one host-to-device copy.
+    Validates on the host (the bytes come from the network) before one host-to-device copy. The
+    shape is checked against expected_rows and max_vocab before anything is allocated: the sparse
+    form allocates rows x vocab_size floats that no byte count bounds.
     """
     def fail(field: str, msg: str) -> None:
         raise ProbsDecodeError(f"draft_probs.{field}: {msg}")
 
     if encoding not in ENCODINGS:
         fail("encoding", f"unknown {encoding!r}, expected one of {ENCODINGS}")
-    if rows < 0 or vocab_size <= 0:
-        fail("rows", f"need rows >= 0 and vocab_size > 0, got {rows} x {vocab_size}")
+    if rows < 0:
+        fail("rows", f"must be >= 0, got {rows}")
+    if expected_rows is not None and rows != expected_rows:
+        fail("rows", f"{rows} rows for {expected_rows} draft tokens (one row per draft token)")
+    if vocab_size <= 0:
+        fail("vocab_size", f"must be > 0, got {vocab_size}")
+    if max_vocab is not None and vocab_size > max_vocab:
+        fail("vocab_size", f"{vocab_size} is over the model's vocabulary of {max_vocab}")
     if encoding in TRANSPORT_DTYPES:
         if len(values) != 2 * rows * vocab_size:
             fail("values", f"{encoding} needs {2 * rows * vocab_size} bytes for {rows} x {vocab_size}, "

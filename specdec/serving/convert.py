@@ -1,13 +1,15 @@
-"""Protobuf <-> engine objects for the model servers. Whole-request problems (malformed packed
-bytes) raise RequestError; a sequence's own bad values become that sequence's SeqError."""
+"""Protobuf <-> engine objects for the model servers. Everything wrong with one sequence's fields
+(malformed packed bytes, probabilities of the wrong shape, bad sampling values) becomes that
+sequence's SeqError naming the field (`seqs[i].draft_probs.vocab_size`); the rest of the batch is
+served."""
 from __future__ import annotations
 
 from dataclasses import asdict
 
-import numpy as np
 import torch
 
 from protos import specdec_pb2 as pb
+from protos.wire import WireError, pack_ids, unpack_ids
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, ModelInfo, SeqError, StepTiming,
                                   VerifyOutput, VerifySeqInput)
 from specdec.sampling.params import SamplingParams, SamplingParamsError
@@ -16,18 +18,9 @@ from specdec.sampling.transport import ProbsDecodeError, decode_probs, encode_pr
 _ENCODING_PREFIX = "PROBS_ENCODING_"
 
 
-class RequestError(ValueError):
-    """The request as a whole is malformed (INVALID_ARGUMENT); the message names the field."""
-
-
-def unpack_ids(data: bytes, field: str) -> list[int]:
-    if len(data) % 4:
-        raise RequestError(f"{field}: {len(data)} bytes is not a whole number of int32 token ids")
-    return np.frombuffer(data, dtype="<i4").tolist()
-
-
-def pack_ids(ids: list[int]) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
+class FieldError(ValueError):
+    """One sequence's field is malformed; the message starts with the field's name below the
+    sequence (`draft_probs.values: ...`)."""
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -35,17 +28,20 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
                           min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None)
 
 
-def probs_from_pb(msg: pb.Probs, field: str) -> torch.Tensor | None:
+def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Tensor | None:
+    """The draft weights [expected_rows, vocab_size <= max_vocab], or None when none were sent.
+    The shape is checked before anything is decoded or allocated."""
     if msg.encoding == pb.PROBS_ENCODING_UNSPECIFIED:
         return None
     try:
         encoding = pb.ProbsEncoding.Name(msg.encoding).removeprefix(_ENCODING_PREFIX)
     except ValueError:
-        raise RequestError(f"{field}.encoding: unknown value {msg.encoding}") from None
+        raise FieldError(f"draft_probs.encoding: unknown value {msg.encoding}") from None
     try:
-        return decode_probs(msg.values, msg.rows, msg.vocab_size, encoding, msg.indices, msg.row_lengths)
+        return decode_probs(msg.values, msg.rows, msg.vocab_size, encoding, msg.indices,
+                            msg.row_lengths, max_vocab=max_vocab, expected_rows=expected_rows)
     except ProbsDecodeError as e:
-        raise RequestError(f"{field}{str(e).removeprefix('draft_probs')}") from None
+        raise FieldError(str(e)) from None
 
 
 def probs_to_pb(weights: torch.Tensor, dtype: torch.dtype) -> pb.Probs:
@@ -55,33 +51,51 @@ def probs_to_pb(weights: torch.Tensor, dtype: torch.dtype) -> pb.Probs:
                     row_lengths=enc.row_lengths)
 
 
-def _sampling_or_error(msg: pb.SamplingParams, field: str) -> SamplingParams | SeqError:
+def _seq_error(index: int, e: Exception) -> SeqError:
+    return SeqError(Code.INVALID_ARGUMENT, f"seqs[{index}].{e}")
+
+
+def _sampling(msg: pb.SamplingParams) -> SamplingParams:
     try:
         return sampling_from_pb(msg)
     except SamplingParamsError as e:
-        return SeqError(Code.INVALID_ARGUMENT, f"{field}.{e}")
+        raise FieldError(f"sampling.{e}") from None
+
+
+def _ids(data: bytes, field: str) -> list[int]:
+    try:
+        return unpack_ids(data, field)
+    except WireError as e:
+        raise FieldError(str(e)) from None
 
 
 def draft_seqs_from_pb(req: pb.ProposeRequest) -> list[DraftSeqInput | SeqError]:
     out: list[DraftSeqInput | SeqError] = []
     for i, s in enumerate(req.seqs):
-        new_tokens = unpack_ids(s.new_tokens, f"seqs[{i}].new_tokens")
-        sampling = _sampling_or_error(s.sampling, "sampling")
-        out.append(sampling if isinstance(sampling, SeqError) else
-                   DraftSeqInput(s.seq_id, s.keep, new_tokens, s.num_draft, sampling, s.first))
+        try:
+            out.append(DraftSeqInput(s.seq_id, s.keep, _ids(s.new_tokens, "new_tokens"), s.num_draft,
+                                     _sampling(s.sampling), s.first))
+        except FieldError as e:
+            out.append(_seq_error(i, e))
     return out
 
 
-def verify_seqs_from_pb(req: pb.VerifyRequest) -> list[VerifySeqInput | SeqError]:
+def verify_seqs_from_pb(req: pb.VerifyRequest, vocab_size: int,
+                        max_num_draft: int) -> list[VerifySeqInput | SeqError]:
+    """vocab_size and max_num_draft (the engine's) bound the draft probabilities before they are
+    decoded: a sparse block of any claimed shape would otherwise be allocated in full."""
     out: list[VerifySeqInput | SeqError] = []
     for i, s in enumerate(req.seqs):
-        new_tokens = unpack_ids(s.new_tokens, f"seqs[{i}].new_tokens")
-        drafts = unpack_ids(s.draft_tokens, f"seqs[{i}].draft_tokens")
-        probs = probs_from_pb(s.draft_probs, f"seqs[{i}].draft_probs")
-        sampling = _sampling_or_error(s.sampling, "sampling")
-        out.append(sampling if isinstance(sampling, SeqError) else
-                   VerifySeqInput(s.seq_id, new_tokens, drafts, probs, sampling, s.partial_prefill,
-                                  s.first))
+        try:
+            new_tokens = _ids(s.new_tokens, "new_tokens")
+            drafts = _ids(s.draft_tokens, "draft_tokens")
+            if len(drafts) > max_num_draft:
+                raise FieldError(f"draft_tokens: {len(drafts)} outside 0..{max_num_draft}")
+            probs = probs_from_pb(s.draft_probs, vocab_size, len(drafts))
+            out.append(VerifySeqInput(s.seq_id, new_tokens, drafts, probs, _sampling(s.sampling),
+                                      s.partial_prefill, s.first))
+        except FieldError as e:
+            out.append(_seq_error(i, e))
     return out
 
 

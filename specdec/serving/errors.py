@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import grpc
 
+from protos.wire import WireError
 from specdec.block_manager import OutOfBlocks
 from specdec.config import ConfigError
 from specdec.sampling.params import SamplingParamsError
-from specdec.serving.convert import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ class NotReady(RuntimeError):
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, (RequestError, SamplingParamsError, ConfigError)):
+    if isinstance(exc, (WireError, SamplingParamsError, ConfigError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OutOfBlocks):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)

@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
+from protos.wire import MAX_MESSAGE_BYTES
 from specdec.config import ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
 from specdec.engine.base import ModelEngine
 from specdec.metrics import ServerMetrics, start_metrics_server
@@ -27,10 +28,13 @@ from specdec.serving.errors import ErrorInterceptor, NotReady
 log = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"draft": 50051, "target": 50052}
-# Dense fp16 draft probabilities of a large vocabulary and batch run to tens of MB per step.
-MAX_MESSAGE_BYTES = 1 << 30
 SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                  # The coordinator pings idle streams (keepalive) to notice a lost server; without
+                  # these the server answers its pings with GOAWAY "too_many_pings".
+                  ("grpc.keepalive_permit_without_calls", 1),
+                  ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                  ("grpc.http2.max_pings_without_data", 0)]
 
 
 class EngineRuntime:

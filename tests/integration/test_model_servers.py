@@ -175,19 +175,17 @@ def test_propose_verify_round_trip(servers):
 
 def test_bad_requests(servers):
     target = pb_grpc.TargetStub(servers["target"].channel)
-    # A malformed packed field fails the whole request, naming the field.
-    with pytest.raises(grpc.RpcError) as err:
-        list(target.Verify(iter([pb.VerifyRequest(step=1, seqs=[pb.VerifySeq(seq_id=3, new_tokens=b"\x01\x02\x03")])]),
-                           timeout=10))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "seqs[0].new_tokens" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
-        list(target.Verify(iter([pb.VerifyRequest(step=1, seqs=[pb.VerifySeq(
-            seq_id=3, new_tokens=ids([1]), draft_tokens=ids([2]),
-            draft_probs=pb.Probs(encoding=pb.PROBS_ENCODING_DENSE_FP16, rows=1, vocab_size=320, values=b"\0"))])]),
-            timeout=10))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "seqs[0].draft_probs.values" in err.value.details()
+    # Malformed packed fields fail their own sequence, naming the field with its index; the rest of
+    # the batch is served and the stream goes on.
+    reply = list(target.Verify(iter([pb.VerifyRequest(step=1, seqs=[
+        pb.VerifySeq(seq_id=3, new_tokens=b"\x01\x02\x03"),
+        pb.VerifySeq(seq_id=3, new_tokens=ids([1]), draft_tokens=ids([2]),
+                     sampling=pb.SamplingParams(temperature=1.0),
+                     draft_probs=pb.Probs(encoding=pb.PROBS_ENCODING_DENSE_FP16, rows=1, vocab_size=320,
+                                          values=b"\0"))])]), timeout=10))[0]
+    bad_bytes, bad_probs = reply.results
+    assert bad_bytes.error.code == 3 and bad_bytes.error.message.startswith("seqs[0].new_tokens")
+    assert bad_probs.error.code == 3 and bad_probs.error.message.startswith("seqs[1].draft_probs.values")
     # A bad sequence fails alone; the server still serves on new streams.
     reply = list(target.Verify(iter([pb.VerifyRequest(step=2, seqs=[
         pb.VerifySeq(seq_id=4, new_tokens=ids([1, 999]), first=True),
@@ -196,12 +194,12 @@ def test_bad_requests(servers):
         pb.VerifySeq(seq_id=6, new_tokens=ids([1, 2]), first=True)])]), timeout=10))[0]
     bad_token, bad_sampling, ok = reply.results
     assert bad_token.error.code == 3 and "new_tokens" in bad_token.error.message
-    assert bad_sampling.error.code == 3 and "sampling.temperature" in bad_sampling.error.message
+    assert bad_sampling.error.code == 3 and "seqs[1].sampling.temperature" in bad_sampling.error.message
     assert not ok.HasField("error") and 0 <= ok.next_token < 320
     draft = pb_grpc.DraftStub(servers["draft"].channel)
-    with pytest.raises(grpc.RpcError) as err:
-        list(draft.Propose(iter([pb.ProposeRequest(seqs=[pb.DraftSeq(seq_id=1, new_tokens=b"\x01")])]), timeout=10))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reply = list(draft.Propose(iter([pb.ProposeRequest(seqs=[pb.DraftSeq(seq_id=1, new_tokens=b"\x01")])]),
+                               timeout=10))[0]
+    assert reply.results[0].error.code == 3 and "seqs[0].new_tokens" in reply.results[0].error.message
     info = target.Info(pb.InfoRequest(), timeout=10)
     assert info.num_sequences == 1  # seq 6 holds KV; the failed ones hold nothing
     assert target.Release(pb.ReleaseRequest(seq_ids=[6]), timeout=10).kv_blocks_free == 64
