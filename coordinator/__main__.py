@@ -34,8 +34,15 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                    default=d["connect_timeout_s"].default,
                    help="seconds to wait for a server at start-up, and for a lost target to come back "
                         "before its running requests end with UNAVAILABLE")
+    p.add_argument("--target-timeout", dest="target_timeout_s", type=float,
+                   default=d["target_timeout_s"].default,
+                   help="seconds one target step (write and answer) may take; a target slower than "
+                        "this counts as lost: the coordinator waits for it (--connect-timeout) and "
+                        "resends its sequences, which end with UNAVAILABLE if it keeps failing")
     p.add_argument("--draft-timeout", dest="draft_timeout_s", type=float,
-                   default=d["draft_timeout_s"].default)
+                   default=d["draft_timeout_s"].default,
+                   help="seconds one draft step may take; a slower draft is dropped (plain decoding) "
+                        "and probed again every --draft-retry seconds")
     p.add_argument("--draft-retry", dest="draft_retry_s", type=float, default=d["draft_retry_s"].default)
     p.add_argument("--grace", dest="grace_s", type=float, default=d["grace_s"].default)
     p.add_argument("--log-level", default="INFO")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.scheduler import KVCapacity, Scheduler
@@ -70,6 +73,9 @@ class Coordinator:
                              check_draft=self._check_draft if draft else None)
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
+        self.failure: str | None = None  # set when the step loop died: no request can be served
+        self._on_failure: Callable[[str], Awaitable[None]] | None = None
+        self._failure_task: asyncio.Task | None = None
 
     @classmethod
     async def connect(cls, config: CoordinatorConfig, metrics: CoordinatorMetrics) -> "Coordinator":
@@ -109,8 +115,23 @@ class Coordinator:
             self.scheduler.draft = _capacity("draft", info)
             self.loop.draft_max_len = info.max_model_len
 
-    def start(self) -> None:
+    def start(self, on_failure: Callable[[str], Awaitable[None]] | None = None) -> None:
+        """Starts the step loop; `on_failure(message)` is awaited if it ever dies."""
+        self._on_failure = on_failure
         self._task = asyncio.create_task(self.loop.run(), name="spec-loop")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop catches its own errors, so this is a last resort: without it every client
+        would wait forever on a queue nobody fills."""
+        if task.cancelled():  # close()
+            return
+        exc = task.exception()
+        self.failure = f"coordinator step loop stopped: {type(exc).__name__ if exc else 'returned'}: {exc}"
+        log.error("%s; failing every request", self.failure, exc_info=exc)
+        self.loop.fail_all(grpc.StatusCode.INTERNAL, self.failure)
+        if self._on_failure is not None:
+            self._failure_task = asyncio.ensure_future(self._on_failure(self.failure))
 
     async def close(self) -> None:
         """Stops the loop and frees, best effort, whatever the servers still hold for us."""
@@ -120,7 +141,8 @@ class Coordinator:
         sched = self.scheduler
         for seq in list(sched.running) + list(sched.waiting):
             sched.retire(seq)
-        for server, ids in ((self.target, sched.release_target), (self.draft, sched.release_draft)):
+        orphans = sched.release_draft | self.loop.draft_orphans
+        for server, ids in ((self.target, sched.release_target), (self.draft, orphans)):
             if server is not None and ids:
                 try:
                     await server.release(ids, timeout=2.0)

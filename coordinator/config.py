@@ -25,6 +25,7 @@ class CoordinatorConfig:
     gamma_policy: str = "fixed"       # how num_draft is chosen when a request leaves it to us
     prefill_chunk: int = 512          # prompt tokens per target step (longer prompts are chunked)
     connect_timeout_s: float = 60.0   # how long start-up, and recovery from a lost target, wait for a server
+    target_timeout_s: float = 120.0   # a target step slower than this counts as the target lost
     draft_timeout_s: float = 30.0     # a draft step slower than this counts as the draft failing
     draft_retry_s: float = 5.0        # how often a lost draft server is tried again
     grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long
@@ -45,7 +46,7 @@ class CoordinatorConfig:
             raise ConfigError(f"num_draft must be in 0..max_num_draft ({self.max_num_draft}), got {self.num_draft}")
         if self.gamma_policy not in GAMMA_POLICIES:
             raise ConfigError(f"gamma_policy: expected one of {GAMMA_POLICIES}, got {self.gamma_policy!r}")
-        for name in ("connect_timeout_s", "draft_timeout_s", "draft_retry_s", "grace_s"):
+        for name in ("connect_timeout_s", "target_timeout_s", "draft_timeout_s", "draft_retry_s", "grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 

@@ -118,7 +118,22 @@ class Scheduler:
     def has_releases(self) -> bool:
         return bool(self.release_target or self.release_draft)
 
+    def wake(self) -> None:
+        """Something outside the scheduler (a draft back with releases) needs the loop."""
+        self._wake.set()
+
     async def wait_for_work(self) -> None:
         while not (self.running or self.waiting or self.has_releases):
             self._wake.clear()
             await self._wake.wait()
+
+    async def wait_for_requests(self, timeout: float) -> None:
+        """Sleeps up to `timeout` seconds, less when a request arrives or is cancelled
+        (a backoff that pending releases alone do not cut short)."""
+        if self.running or self.waiting:
+            return
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass

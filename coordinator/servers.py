@@ -10,31 +10,33 @@ import asyncio
 import time
 
 import grpc
-import numpy as np
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from protos.wire import MAX_MESSAGE_BYTES
 from specdec.metrics import CoordinatorMetrics
 
-# Dense fp16 draft probabilities of a large vocabulary and batch run to tens of MB per step.
-MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    # A restarted server is found again within a second (the default backoff grows
                    # to minutes, and the coordinator waits on a lost target before resending).
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.max_reconnect_backoff_ms", 1000),
+                   # A peer that vanished without closing the connection (host down, network cut)
+                   # fails the open step stream within ~30 s instead of never. The servers must
+                   # accept pings this often, also between calls (SERVER_OPTIONS of the servers).
+                   ("grpc.keepalive_time_ms", 20_000),
+                   ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.max_pings_without_data", 0)]  # 0: keep pinging an idle stream
 
 
 class StreamBroken(ConnectionError):
     """The server closed the step stream."""
 
 
-def pack_tokens(tokens: list[int]) -> bytes:
-    return np.asarray(tokens, dtype="<i4").tobytes()
-
-
-def unpack_tokens(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<i4").tolist()
+def status_from_code(code: int) -> grpc.StatusCode:
+    """The StatusCode of a numeric code (google.rpc.Code); INTERNAL for an unknown one."""
+    return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
 
 
 def status_name(e: BaseException) -> str:
@@ -89,7 +91,8 @@ class ModelServer:
         return response
 
     async def step(self, request, timeout: float | None = None):
-        """Writes one step request on the persistent stream and reads its response."""
+        """Writes one step request on the persistent stream and reads its response, both within
+        `timeout` seconds (None: no limit); a server that takes longer counts as failed."""
         t0 = time.perf_counter()
         try:
             response = await self._step(request, timeout)
@@ -100,11 +103,14 @@ class ModelServer:
         return response
 
     async def _step(self, request, timeout: float | None):
+        if self._call is not None and self._call.done():
+            # Ended between steps (e.g. the connection dropped while idle): no request was in
+            # flight, so a new stream loses nothing (a server that lost sequences says NOT_FOUND).
+            self._call = None
         if self._call is None:
             self._call = self.stub.Propose() if self.role == "draft" else self.stub.Verify()
         try:
-            await self._call.write(request)
-            response = await asyncio.wait_for(self._call.read(), timeout)
+            response = await asyncio.wait_for(self._exchange(request), timeout)
         except BaseException:
             self.reset()
             raise
@@ -115,6 +121,10 @@ class ModelServer:
             self.reset()
             raise StreamBroken(f"{self.role} server answered step {response.step} to step {request.step}")
         return response
+
+    async def _exchange(self, request):
+        await self._call.write(request)
+        return await self._call.read()
 
     def _observe(self, rpc: str, t0: float) -> None:
         if self.metrics is not None:

@@ -15,17 +15,14 @@ from coordinator.app import Coordinator
 from coordinator.config import CoordinatorConfig
 from coordinator.scheduler import Rejected
 from coordinator.sequence import Abort, Sequence
-from coordinator.validation import InvalidRequest, validate
+from coordinator.servers import status_from_code
+from coordinator.validation import InvalidRequest, validate_async
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
 
 log = logging.getLogger("specdec.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-
-
-def _status(code: int) -> grpc.StatusCode:
-    return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
 
 
 def _usage(seq: Sequence) -> pb.Usage:
@@ -45,10 +42,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         code, ttft, seq, ended = "CANCELLED", None, None, False
         try:
             try:
-                params = validate(request, coord.limits, coord.tokenizer)
+                params = await validate_async(request, coord.limits, coord.tokenizer)
             except InvalidRequest as e:
                 code = "INVALID_ARGUMENT"
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if coord.failure is not None:
+                code = "UNAVAILABLE"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, coord.failure)
             seq = coord.new_sequence(params)
             try:
                 coord.scheduler.submit(seq)
@@ -58,8 +58,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             while True:
                 item = await seq.queue.get()
                 if isinstance(item, Abort):
-                    ended, code = True, _status(item.code).name
-                    await context.abort(_status(item.code), item.message)
+                    ended, code = True, status_from_code(item.code).name
+                    await context.abort(status_from_code(item.code), item.message)
                 if ttft is None and item.token_ids:
                     ttft = time.perf_counter() - arrival
                     metrics.observe_first_token(ttft)
@@ -127,7 +127,12 @@ async def serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
 async def _serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
     coord = await Coordinator.connect(config, metrics)
     server, port, health_servicer = await build_server(coord, config.address)
-    coord.start()
+
+    async def not_serving(message: str) -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    coord.start(on_failure=not_serving)
     await server.start()
     log.info("coordinator listening on port %d (target %s, draft %s)", port, config.target,
              config.draft or "none")

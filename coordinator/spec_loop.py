@@ -11,7 +11,12 @@ but a sequence's first must find it held). Nothing is lost and the output stays 
 gets the sequence again from the start, prompt + every emitted token (chunked like a prompt), and
 continues exactly where it was; the draft gets the same resend. A target step that fails outright
 (the server died) waits for the target to answer again, then resends every sequence of the step
-the same way. A sequence lost again right after its resends ends with UNAVAILABLE.
+the same way; so does a step that takes longer than --target-timeout (a hung target). A sequence
+lost again right after its resends ends with UNAVAILABLE.
+
+A draft result that is malformed (coordinator/proposals.py) is that sequence's draft failing: it
+goes on by plain decoding. Releases that fail while the loop is idle are kept and tried again
+with backoff (the draft's once it is back), so no KV block stays held on a server for good.
 """
 from __future__ import annotations
 
@@ -24,10 +29,12 @@ import grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.gamma import choose_num_draft
+from coordinator.proposals import BadProposal, checked_proposal
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Abort, Sequence
-from coordinator.servers import ModelServer, pack_tokens, unpack_tokens
+from coordinator.servers import ModelServer, status_from_code
 from protos import specdec_pb2 as pb
+from protos.wire import pack_ids
 from specdec.cost_model import WindowStats, bucket_for
 from specdec.metrics import CoordinatorMetrics
 
@@ -38,6 +45,9 @@ STATS_LOG_S = 30.0  # how often the loop logs its statistics while busy
 MAX_TARGET_RESENDS = 2
 MAX_DRAFT_RESENDS = 2
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+# Idle Release calls that failed are tried again after this backoff (seconds, doubling), sooner
+# when a request arrives (its first step carries them).
+RELEASE_RETRY_S = (0.5, 10.0)
 
 
 @dataclass
@@ -69,29 +79,33 @@ class SpecLoop:
         self._probe: asyncio.Task | None = None
         self._step_no = 0
         self._policy_inputs: tuple[float | None, float | None] = (None, None)  # (α, c) of this step
-        self._draft_orphans: set[int] = set()  # to release on the draft once it is reachable again
+        self.draft_orphans: set[int] = set()  # to release on the draft once it is reachable again
+        self._release_retry_s = RELEASE_RETRY_S[0]
 
     # --- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         sched = self.scheduler
         next_log, logged_step = time.monotonic() + STATS_LOG_S, 0
         while True:
-            if time.monotonic() >= next_log and self._step_no > logged_step:
-                next_log, logged_step = time.monotonic() + STATS_LOG_S, self._step_no
-                log.info("stats %s", summary(self._step_no, self.metrics.stats.window()))
-            await sched.wait_for_work()
-            started = time.perf_counter()
-            sched.drop_cancelled()
-            sched.admit()
-            self.metrics.set_running(len(sched.running))
-            if not sched.running:
-                await self._release_now()
-                continue
             try:
+                if time.monotonic() >= next_log and self._step_no > logged_step:
+                    next_log, logged_step = time.monotonic() + STATS_LOG_S, self._step_no
+                    log.info("stats %s", summary(self._step_no, self.metrics.stats.window()))
+                await sched.wait_for_work()
+                started = time.perf_counter()
+                sched.drop_cancelled()
+                sched.admit()
+                self.metrics.set_running(len(sched.running))
+                if not sched.running:
+                    await self._release_now()
+                    continue
                 await self._step(list(sched.running), started)
-            except Exception as e:  # a bug must not strand the clients: fail the batch, go on
-                log.exception("step failed")
-                self._abort_all(list(sched.running), grpc.StatusCode.INTERNAL, f"coordinator: {e}")
+            except Exception as e:
+                # A bug must not strand the clients: fail every request (the waiting ones too, or
+                # a failing admit would fail again at once), pause briefly, go on.
+                log.exception("step loop iteration failed")
+                self.fail_all(grpc.StatusCode.INTERNAL, f"coordinator: {type(e).__name__}: {e}")
+                await asyncio.sleep(0.1)
 
     def set_draft_down(self, reason: str) -> None:
         if not self.draft_up:
@@ -114,9 +128,10 @@ class SpecLoop:
                 log.info("draft server still unavailable: %s", _describe(e))
                 continue
             log.warning("draft server back; speculation resumes")
-            self.scheduler.release_draft |= self._draft_orphans
-            self._draft_orphans = set()
+            self.scheduler.release_draft |= self.draft_orphans
+            self.draft_orphans = set()
             self.draft_up = True
+            self.scheduler.wake()  # an idle loop sends the orphans' Release now
             return
 
     # --- one step ----------------------------------------------------------------------------
@@ -155,14 +170,14 @@ class SpecLoop:
         sched = self.scheduler
         request = pb.VerifyRequest(step=self._step_no, release=sorted(sched.release_target))
         for p in plans:
-            request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_tokens(p.target_new),
-                             draft_tokens=pack_tokens(p.drafts), sampling=sampling_pb(p.seq),
+            request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_ids(p.target_new),
+                             draft_tokens=pack_ids(p.drafts), sampling=sampling_pb(p.seq),
                              partial_prefill=p.partial, first=p.seq.target_first)
             if p.probs is not None:
                 request.seqs[-1].draft_probs.CopyFrom(p.probs)  # as received: exactness
         sched.release_target.clear()
         try:
-            response = await self.target.step(request)
+            response = await self.target.step(request, timeout=self.config.target_timeout_s)
         except Exception as e:
             # The target's state is unknown: free what it may hold and, once it answers again,
             # resend the batch from the start (`first` makes that right whatever it still holds).
@@ -201,7 +216,7 @@ class SpecLoop:
                 seq.restart_draft()
                 seq.draft_resync = seq.draft_holds = False
             request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep,
-                             new_tokens=pack_tokens(seq.draft_pending), num_draft=p.num_draft,
+                             new_tokens=pack_ids(seq.draft_pending), num_draft=p.num_draft,
                              sampling=sampling_pb(seq), first=not seq.draft_holds)
             seq.draft_holds = True  # from here on the draft may hold it, whatever happens
         request.release.extend(sorted(sched.release_draft))
@@ -220,7 +235,6 @@ class SpecLoop:
                 p.num_draft = 0
             return None
         for p, r in zip(drafting, response.results):
-            tokens = unpack_tokens(r.tokens)
             if r.error.code == NOT_FOUND and p.seq.draft_resends < MAX_DRAFT_RESENDS:
                 # The draft lost it (restarted between steps, or dropped it): no drafts this
                 # step, and the next proposal sends it afresh (prompt + output, with `first`).
@@ -230,18 +244,20 @@ class SpecLoop:
                 p.seq.draft_holds, p.seq.draft_resync = False, True
                 p.num_draft = 0
                 continue
-            if r.HasField("error") or len(tokens) != p.num_draft:
+            try:
+                if r.HasField("error"):
+                    raise BadProposal(r.error.message or "error without a message")
+                p.drafts, p.probs = checked_proposal(r, p.seq.seq_id, p.num_draft, self.vocab_size,
+                                                     sampled=p.seq.params.sampling.temperature > 0)
+            except BadProposal as e:
                 # This sequence goes on without the draft; the rest of the batch is unaffected.
-                self.metrics.count_error(_status(r.error.code).name if r.error.code else "INTERNAL")
-                log.warning("draft failed for sequence %d: %s", p.seq.seq_id,
-                            r.error.message or f"{len(tokens)} tokens for num_draft {p.num_draft}")
+                self.metrics.count_error(status_from_code(r.error.code).name if r.error.code else "INTERNAL")
+                log.warning("draft failed for sequence %d: %s", p.seq.seq_id, e)
                 p.seq.use_draft = False
                 sched.release_draft.add(p.seq.seq_id)
                 p.seq.draft_holds = False
                 p.num_draft = 0
                 continue
-            p.drafts = tokens
-            p.probs = r.probs if r.HasField("probs") else None
             p.seq.draft_resends = 0
             p.seq.draft_proposed()
         return response.timing
@@ -253,11 +269,11 @@ class SpecLoop:
         if seq.done or seq.cancelled:  # cancelled while the step was in flight: retired next boundary
             return 0, 0, 0
         if r.HasField("error") and r.error.code:
-            self.metrics.count_error(_status(r.error.code).name)
+            self.metrics.count_error(status_from_code(r.error.code).name)
             if r.error.code == NOT_FOUND:
                 self._resend_target(seq, f"target: {r.error.message}")
             else:
-                self._abort(seq, _status(r.error.code), f"target: {r.error.message}")
+                self._abort(seq, status_from_code(r.error.code), f"target: {r.error.message}")
             return 0, 0, 0
         seq.target_first = False
         if p.partial:
@@ -322,22 +338,40 @@ class SpecLoop:
             if not seq.done:
                 self._abort(seq, code, message)
 
+    def fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        """Ends every running and waiting request with `code`."""
+        self._abort_all(list(self.scheduler.running) + list(self.scheduler.waiting), code, message)
+
     async def _release_now(self) -> None:
-        """Idle: free finished sequences with Release calls instead of waiting for a next step."""
+        """Idle: free finished sequences with Release calls instead of waiting for a next step.
+        Ids whose Release fails are kept: the target's for a retry after a backoff (or the next
+        step's `release`), the draft's until the draft is back."""
         sched = self.scheduler
         if sched.release_draft and not self.draft_up:
             # Kept until the draft is back (it may only have been slow, not restarted).
-            self._draft_orphans |= sched.release_draft
+            self.draft_orphans |= sched.release_draft
             sched.release_draft.clear()
-        for server, ids in ((self.target, sched.release_target), (self.draft, sched.release_draft)):
-            if not ids:
-                continue
-            batch = set(ids)
-            ids.clear()
+        if sched.release_draft:
+            batch = set(sched.release_draft)
+            sched.release_draft.clear()
             try:
-                await server.release(batch)
-            except grpc.aio.AioRpcError as e:
-                log.warning("release on the %s server failed: %s", server.role, _describe(e))
+                await self.draft.release(batch)
+            except Exception as e:
+                self.draft_orphans |= batch
+                self.set_draft_down(f"Release failed: {_describe(e)}")
+        if sched.release_target:
+            batch = set(sched.release_target)
+            sched.release_target.clear()
+            try:
+                await self.target.release(batch)
+            except Exception as e:
+                sched.release_target |= batch
+                log.warning("release on the target server failed (%s); retrying in %.1fs",
+                            _describe(e), self._release_retry_s)
+                await sched.wait_for_requests(self._release_retry_s)
+                self._release_retry_s = min(2 * self._release_retry_s, RELEASE_RETRY_S[1])
+                return
+            self._release_retry_s = RELEASE_RETRY_S[0]
 
 
 def summary(steps: int, w: WindowStats) -> str:
@@ -349,10 +383,6 @@ def summary(steps: int, w: WindowStats) -> str:
             f"tau={f(w.mean_accepted_length)} gamma={f(w.mean_draft_length)} c={f(w.c)} "
             f"c_system={f(w.c_system)} expected_speedup={f(w.expected_speedup)} "
             f"measured_speedup={f(w.measured_speedup)}")
-
-
-def _status(code: int) -> grpc.StatusCode:
-    return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
 
 
 def _describe(e: BaseException) -> str:

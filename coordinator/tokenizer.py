@@ -44,6 +44,11 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
+    def encode_unlocked(self, text: str) -> list[int]:
+        """encode(), releasing the GIL while it runs (tokenizers' encode holds it, encode_batch
+        does not): for a worker thread, so a long prompt does not stall the event loop."""
+        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+
     def decode(self, ids: list[int]) -> str:
         # Ids the tokenizer does not know (a model vocabulary padded past the tokenizer's) decode to "".
         return self._tok.decode(ids, skip_special_tokens=True)

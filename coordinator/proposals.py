@@ -1,0 +1,78 @@
+"""A draft server's answer for one sequence, checked before the target sees it.
+
+The draft is optional and never trusted: a proposal with the wrong number of tokens, an id outside
+the vocabulary or probabilities that do not describe the drafts would make the target fail the
+sequence or reject the whole Verify request. A bad proposal is only that sequence's draft failing;
+it goes on by plain decoding, which is exact.
+
+Probabilities are required for a sampled sequence (without them the target would take the drafts
+as chosen deterministically, which is not lossless for a sampling draft) and optional for a greedy
+one. Their packing is checked by size, which costs nothing; dense values are not scanned (that
+would cost a pass over k x V numbers per sequence per step), the target checks them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from protos import specdec_pb2 as pb
+from protos.wire import WireError, unpack_ids
+
+_DENSE = (pb.PROBS_ENCODING_DENSE_FP16, pb.PROBS_ENCODING_DENSE_BF16)
+
+
+class BadProposal(ValueError):
+    """The draft's result for one sequence is unusable; the message says why."""
+
+
+def checked_proposal(r: pb.DraftResult, seq_id: int, num_draft: int, vocab_size: int,
+                     sampled: bool) -> tuple[list[int], pb.Probs | None]:
+    """The drafted ids and the probabilities to forward to the target (None: deterministic drafts)."""
+    if r.seq_id != seq_id:
+        raise BadProposal(f"result for sequence {r.seq_id} in the place of {seq_id}")
+    try:
+        tokens = unpack_ids(r.tokens, "tokens")
+    except WireError as e:
+        raise BadProposal(str(e)) from None
+    if len(tokens) != num_draft:
+        raise BadProposal(f"{len(tokens)} tokens for num_draft {num_draft}")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadProposal(f"token id {bad} outside the vocabulary 0..{vocab_size - 1}")
+    has_probs = r.HasField("probs") and r.probs.encoding != pb.PROBS_ENCODING_UNSPECIFIED
+    if not has_probs:
+        if sampled:
+            raise BadProposal("no probabilities for a sampled sequence")
+        return tokens, None
+    _check_probs(r.probs, num_draft, vocab_size)
+    return tokens, r.probs
+
+
+def _check_probs(probs: pb.Probs, rows: int, vocab_size: int) -> None:
+    if probs.rows != rows or probs.vocab_size != vocab_size:
+        raise BadProposal(f"probs: {probs.rows} x {probs.vocab_size} for {rows} drafts x "
+                          f"vocab_size {vocab_size}")
+    if probs.encoding in _DENSE:
+        if len(probs.values) != 2 * rows * vocab_size:
+            raise BadProposal(f"probs.values: {len(probs.values)} bytes for {rows} x {vocab_size} "
+                              "16-bit values")
+        return
+    if probs.encoding != pb.PROBS_ENCODING_SPARSE_FP16:
+        raise BadProposal(f"probs.encoding: unknown value {probs.encoding}")
+    if len(probs.row_lengths) != 4 * rows:
+        raise BadProposal(f"probs.row_lengths: {len(probs.row_lengths)} bytes for {rows} rows")
+    lengths = np.frombuffer(probs.row_lengths, dtype="<i4").astype(np.int64)
+    if ((lengths < 0) | (lengths > vocab_size)).any():
+        raise BadProposal(f"probs.row_lengths: each must be in 0..{vocab_size}")
+    nnz = int(lengths.sum())
+    if len(probs.indices) != 4 * nnz or len(probs.values) != 2 * nnz:
+        raise BadProposal(f"probs: {nnz} nonzeros need {4 * nnz} index and {2 * nnz} value bytes, "
+                          f"got {len(probs.indices)} and {len(probs.values)}")
+    cols = np.frombuffer(probs.indices, dtype="<i4").astype(np.int64)
+    if nnz and (cols.min() < 0 or cols.max() >= vocab_size):
+        raise BadProposal(f"probs.indices: a column outside 0..{vocab_size - 1}")
+    row_of = np.repeat(np.arange(rows), lengths)
+    if nnz and np.unique(row_of * vocab_size + cols).size != nnz:
+        raise BadProposal("probs.indices: a column appears twice in one row")
+    values = np.frombuffer(probs.values, dtype="<f2")
+    if not (np.isfinite(values) & (values >= 0)).all():
+        raise BadProposal("probs.values: must be finite and >= 0")

@@ -1,0 +1,409 @@
+"""The coordinator's step loop against model servers that misbehave, in-process: a draft whose
+proposals are malformed (the request degrades to plain decoding, with exactly its output), Release
+calls that fail while the loop is idle (the ids are released later, with backoff, not dropped),
+and a loop iteration or the whole loop task dying (every client gets INTERNAL, nobody hangs).
+
+The fake servers share one deterministic "model" (next token = f(context)), so plain greedy
+decoding has a known answer and a good draft is accepted."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from coordinator.app import Coordinator
+from coordinator.config import CoordinatorConfig
+from coordinator.scheduler import KVCapacity, Scheduler
+from coordinator.sequence import Abort, Finish, GenParams, Sampling, Sequence
+from coordinator.spec_loop import SpecLoop
+from coordinator.tokenizer import TextTokenizer
+from protos import specdec_pb2 as pb
+from protos.wire import pack_ids, unpack_ids
+from specdec.metrics import CoordinatorMetrics
+from tests.helpers.tiny_models import _tokenizer_json
+
+V = 320
+MAX_LEN = 512
+PROMPT = (5, 17, 42)
+NEW = 24
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def model(ctx: list[int]) -> int:
+    return (ctx[-1] * 31 + len(ctx) * 7) % V
+
+
+def plain_greedy(prompt, n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(model(ctx))
+    return ctx[len(prompt):]
+
+
+def rpc_error(code=grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "fake server down")
+
+
+class FakeServer:
+    def __init__(self, role: str):
+        self.role = role
+        self.held: dict[int, list[int]] = {}
+        self.release_failures = 0  # the next this many Release calls fail
+        self.release_calls = 0
+
+    async def release(self, seq_ids, timeout: float = 5.0):
+        self.release_calls += 1
+        if self.release_failures:
+            self.release_failures -= 1
+            raise rpc_error()
+        for i in seq_ids:
+            self.held.pop(i, None)
+        return pb.ReleaseResponse()
+
+    async def wait_ready(self, timeout: float):
+        return pb.ModelInfo()
+
+    def reset(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeTarget(FakeServer):
+    """Verifies drafts greedily against model(); records anything a real target would refuse."""
+
+    def __init__(self):
+        super().__init__("target")
+        self.violations: list[str] = []
+        self.accepted = 0
+
+    async def step(self, request: pb.VerifyRequest, timeout=None) -> pb.VerifyResponse:
+        await asyncio.sleep(0)  # a real call suspends: other tasks run between steps
+        for i in request.release:
+            self.held.pop(i, None)
+        response = pb.VerifyResponse(step=request.step)
+        for s in request.seqs:
+            r = response.results.add(seq_id=s.seq_id)
+            if not s.first and s.seq_id not in self.held:
+                r.error.code, r.error.message = NOT_FOUND, "not held"
+                continue
+            ctx = [] if s.first else self.held[s.seq_id]
+            ctx += unpack_ids(s.new_tokens)
+            self.held[s.seq_id] = ctx
+            drafts = unpack_ids(s.draft_tokens)
+            if any(not 0 <= d < V for d in drafts):
+                self.violations.append(f"draft ids {drafts}")
+            if s.HasField("draft_probs") and s.draft_probs.encoding:
+                p = s.draft_probs
+                if (p.rows, p.vocab_size, len(p.values)) != (len(drafts), V, 2 * len(drafts) * V):
+                    self.violations.append(f"probs {p.rows} x {p.vocab_size} for {len(drafts)} drafts")
+            elif s.sampling.temperature > 0 and drafts:
+                self.violations.append("sampled drafts without probs")
+            if s.partial_prefill:
+                continue
+            for d in drafts:
+                if d != model(ctx):
+                    break
+                ctx.append(d)
+                r.accepted += 1
+            self.accepted += r.accepted
+            r.next_token = model(ctx)
+        return response
+
+
+def one_hot(tokens: list[int]) -> pb.Probs:
+    w = np.zeros((len(tokens), V), dtype="<f2")
+    w[np.arange(len(tokens)), tokens] = 1
+    return pb.Probs(encoding=pb.PROBS_ENCODING_DENSE_FP16, rows=len(tokens), vocab_size=V,
+                    values=w.tobytes())
+
+
+class FakeDraft(FakeServer):
+    """Drafts model()'s own continuation (so it is accepted), then applies `spoil` to the result."""
+
+    def __init__(self, spoil=None):
+        super().__init__("draft")
+        self.spoil = spoil
+        self.proposals: dict[int, tuple[list[int], list[int]]] = {}
+
+    async def step(self, request: pb.ProposeRequest, timeout=None) -> pb.ProposeResponse:
+        for i in request.release:
+            self.held.pop(i, None)
+            self.proposals.pop(i, None)
+        response = pb.ProposeResponse(step=request.step)
+        for s in request.seqs:
+            r = response.results.add(seq_id=s.seq_id)
+            if s.first:
+                ctx = []
+            elif s.seq_id in self.held:
+                before, proposal = self.proposals.get(s.seq_id, (self.held[s.seq_id], []))
+                ctx = before + proposal[:s.keep]
+            else:
+                r.error.code, r.error.message = NOT_FOUND, "not held"
+                continue
+            ctx = ctx + unpack_ids(s.new_tokens)
+            self.held[s.seq_id] = ctx
+            tokens = []
+            for _ in range(s.num_draft):
+                tokens.append(model(ctx + tokens))
+            self.proposals[s.seq_id] = (ctx, tokens)
+            r.tokens = pack_ids(tokens)
+            if s.sampling.temperature > 0:
+                r.probs.CopyFrom(one_hot(tokens))
+            if self.spoil is not None:
+                self.spoil(r, s)
+        return response
+
+
+def tokenizer(tmp_path) -> TextTokenizer:
+    path = tmp_path / "tokenizer.json"
+    path.write_text(_tokenizer_json(V))
+    return TextTokenizer(path)
+
+
+def config(**kw) -> CoordinatorConfig:
+    return CoordinatorConfig(target="fake:1", draft="fake:2", num_draft=4, draft_retry_s=0.05, **kw)
+
+
+def target_info() -> pb.ModelInfo:
+    return pb.ModelInfo(vocab_size=V, max_model_len=MAX_LEN, kv_blocks_total=1000, block_size=16)
+
+
+def make_loop(draft: FakeDraft | None, target: FakeTarget | None = None):
+    target = target or FakeTarget()
+    sched = Scheduler(8, 8, KVCapacity("target", 1000, 16), KVCapacity("draft", 1000, 16))
+
+    async def check_draft():
+        return None
+
+    metrics = CoordinatorMetrics(CollectorRegistry(), max_positions=8)
+    loop = SpecLoop(config(), sched, target, draft, metrics, vocab_size=V, draft_max_len=MAX_LEN,
+                    check_draft=check_draft if draft is not None else None)
+    return loop, sched, target
+
+
+def new_seq(tok, seq_id: int, temperature: float = 0.0, speculate: bool = True) -> Sequence:
+    params = GenParams(request_id=str(seq_id), prompt_ids=PROMPT, max_new_tokens=NEW,
+                       sampling=Sampling(temperature=temperature, seed=seq_id), speculate=speculate)
+    return Sequence(seq_id=seq_id, params=params, max_len=MAX_LEN, tokenizer=tok)
+
+
+async def collect(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], object]:
+    """The sequence's tokens and how it ended: a Finish, or the Abort."""
+    tokens = []
+    while True:
+        item = await asyncio.wait_for(seq.queue.get(), timeout)
+        if isinstance(item, Abort):
+            return tokens, item
+        tokens += item.token_ids
+        if item.finish is not None:
+            return tokens, item.finish
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    async def poll():
+        while not cond():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), timeout)
+
+
+def spoil_out_of_vocab(r, s):
+    r.tokens = pack_ids([V + 3] * s.num_draft)
+
+
+def spoil_negative(r, s):
+    r.tokens = pack_ids([-1] * s.num_draft)
+
+
+def spoil_count(r, s):
+    r.tokens = pack_ids(unpack_ids(r.tokens)[:-1])
+
+
+def spoil_extra(r, s):
+    r.tokens = pack_ids(unpack_ids(r.tokens) + [1])
+
+
+def spoil_bytes(r, s):
+    r.tokens = r.tokens + b"\x01"
+
+
+def spoil_rows(r, s):
+    r.probs.CopyFrom(one_hot(unpack_ids(r.tokens)[:-1]))
+
+
+def spoil_vocab(r, s):
+    r.probs.vocab_size = V + 64
+
+
+def spoil_values(r, s):
+    r.probs.values = r.probs.values[:-2]
+
+
+def spoil_no_probs(r, s):
+    r.ClearField("probs")
+
+
+def spoil_greedy_probs(r, s):
+    # A greedy sequence may get probabilities, but they must describe the drafts.
+    r.probs.CopyFrom(one_hot(unpack_ids(r.tokens) + [0]))
+
+
+def spoil_seq_id(r, s):
+    r.seq_id = s.seq_id + 1000
+
+
+# Each spoil breaks the sampled sequence's proposal; these also break the greedy one's (the others
+# touch only probabilities, which a greedy proposal without them does not have).
+SPOILS = [spoil_out_of_vocab, spoil_negative, spoil_count, spoil_extra, spoil_bytes, spoil_rows,
+          spoil_vocab, spoil_values, spoil_no_probs, spoil_greedy_probs, spoil_seq_id]
+GREEDY_TOO = {spoil_out_of_vocab, spoil_negative, spoil_count, spoil_extra, spoil_bytes, spoil_rows,
+              spoil_greedy_probs, spoil_seq_id}
+
+
+def run_batch(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.7)):
+    async def main():
+        loop, sched, target = make_loop(draft)
+        task = asyncio.create_task(loop.run())
+        tok = tokenizer(tmp_path)
+        seqs = [new_seq(tok, i + 1, t) for i, t in enumerate(temperatures)]
+        for seq in seqs:
+            sched.submit(seq)
+        try:
+            results = await asyncio.gather(*(collect(s) for s in seqs))
+        finally:
+            task.cancel()
+        return results, seqs, target
+    return asyncio.run(main())
+
+
+def test_good_draft_is_accepted(tmp_path):
+    """The harness itself: the fake draft's proposals are accepted and the output is exact."""
+    results, seqs, target = run_batch(tmp_path, FakeDraft())
+    for tokens, end in results:
+        assert tokens == plain_greedy(PROMPT, NEW) and end == Finish.LENGTH
+    assert target.accepted > NEW and not target.violations
+    assert all(seq.use_draft for seq in seqs)
+
+
+@pytest.mark.parametrize("spoil", SPOILS, ids=lambda f: f.__name__.removeprefix("spoil_"))
+def test_malformed_proposal_degrades_to_plain_decoding(tmp_path, spoil):
+    results, seqs, target = run_batch(tmp_path, FakeDraft(spoil))
+    for tokens, end in results:
+        assert end == Finish.LENGTH  # no Abort reached the client
+        assert tokens == plain_greedy(PROMPT, NEW)
+    assert not target.violations  # nothing malformed reached the target
+    greedy, sampled = seqs
+    assert not sampled.use_draft  # its draft failed once: plain decoding from then on
+    assert greedy.use_draft is (spoil not in GREEDY_TOO)
+
+
+def test_idle_release_failure_is_retried(tmp_path):
+    """A finished request's Release fails while the loop is idle: its ids are kept and released
+    on a later try (target: after a backoff; draft: once the draft is found again)."""
+    async def main():
+        draft = FakeDraft()
+        loop, sched, target = make_loop(draft)
+        target.release_failures = draft.release_failures = 1
+        task = asyncio.create_task(loop.run())
+        seq = new_seq(tokenizer(tmp_path), 1)
+        sched.submit(seq)
+        tokens, end = await collect(seq)
+        assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+        await until(lambda: not target.held and not draft.held)
+        assert target.release_calls == 2 and draft.release_calls == 2
+        assert not sched.release_target and not sched.release_draft and not loop.draft_orphans
+        assert loop.draft_up
+        task.cancel()
+    asyncio.run(main())
+
+
+def test_release_retry_backs_off(tmp_path):
+    """A target that refuses every Release is not hammered by the idle loop; a new request still
+    runs, and its steps carry the pending release."""
+    async def main():
+        loop, sched, target = make_loop(None)
+        target.release_failures = 10**6
+        task = asyncio.create_task(loop.run())
+        tok = tokenizer(tmp_path)
+        first = new_seq(tok, 1, speculate=False)
+        sched.submit(first)
+        assert (await collect(first))[1] == Finish.LENGTH
+        await asyncio.sleep(1.6)  # tries at ~0, 0.5, 1.5 s
+        assert 2 <= target.release_calls <= 4
+        assert 1 in target.held and sched.release_target == {1}
+        second = new_seq(tok, 2, speculate=False)
+        sched.submit(second)
+        assert (await collect(second))[1] == Finish.LENGTH
+        assert 1 not in target.held  # went in the second request's first step
+        task.cancel()
+    asyncio.run(main())
+
+
+def test_failing_iteration_fails_requests_and_loop_goes_on(tmp_path):
+    """An exception outside _step (here: admit) ends the running and waiting requests with
+    INTERNAL instead of killing the loop; later requests are served."""
+    async def main():
+        loop, sched, target = make_loop(FakeDraft())
+        admit = sched.admit
+        calls = {"n": 0}
+
+        def failing_admit():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("admit broke")
+            return admit()
+        sched.admit = failing_admit
+        tok = tokenizer(tmp_path)
+        victim = new_seq(tok, 1)
+        sched.submit(victim)
+        task = asyncio.create_task(loop.run())
+        tokens, end = await collect(victim, timeout=5)
+        assert isinstance(end, Abort) and end.code == grpc.StatusCode.INTERNAL.value[0]
+        assert "admit broke" in end.message
+        survivor = new_seq(tok, 2)
+        sched.submit(survivor)
+        tokens, end = await collect(survivor)
+        assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+        task.cancel()
+    asyncio.run(main())
+
+
+class LoopKilled(BaseException):
+    """Escapes the loop's own `except Exception`: the task dies."""
+
+
+def test_dead_loop_task_fails_every_client(tmp_path):
+    async def main():
+        target, draft = FakeTarget(), FakeDraft()
+        coord = Coordinator(config(max_batch_size=1), tokenizer(tmp_path), target, draft,
+                            target_info(), target_info(), CoordinatorMetrics(CollectorRegistry()))
+        failures = []
+
+        async def on_failure(message):
+            failures.append(message)
+        step = coord.loop._step
+        running, waiting = coord.new_sequence(gen_params()), coord.new_sequence(gen_params())
+
+        async def dying_step(seqs, started):
+            if running.output:  # one step done; `waiting` is queued behind it (batch size 1)
+                raise LoopKilled("gone")
+            await step(seqs, started)
+        coord.loop._step = dying_step
+        coord.scheduler.submit(running)
+        coord.scheduler.submit(waiting)
+        coord.start(on_failure=on_failure)
+        for seq in (running, waiting):
+            _, end = await collect(seq, timeout=5)
+            assert isinstance(end, Abort) and end.code == grpc.StatusCode.INTERNAL.value[0]
+        await until(lambda: failures)
+        assert coord.failure and "LoopKilled" in coord.failure
+        await coord.close()
+    asyncio.run(main())
+
+
+def gen_params() -> GenParams:
+    return GenParams(request_id="r", prompt_ids=PROMPT, max_new_tokens=NEW, sampling=Sampling())
