@@ -7,7 +7,8 @@
 Timing: the model runs attention inside CUDA graphs, so `ms` (and `sdpa_ms`) time replays of a graph
 that captured one call: device time, without the Python, plan and launch cost of an eager call, which
 `eager_ms` reports next to it (at small sizes eager calls are host-bound: ~30-100 us of host work
-against a few us of kernel). Floor = KV bytes the call must read / copy bandwidth measured in the same run (a device-to-device
+against a few us of kernel). `ms_inline_merge` is the same graph replay with merge="inline" (the last
+KV split of each tile merges the partials: one launch instead of two; equal to `ms` without splits). Floor = KV bytes the call must read / copy bandwidth measured in the same run (a device-to-device
 copy of COPY_BYTES; bandwidth counts its read and write bytes). Writes bench/results/attention.json
 (and $OUT/attention.json when OUT is set) after every case group, prints the table, and exits 1
 when a correctness check or a case fails (a missed performance goal is reported, not an error).
@@ -15,6 +16,7 @@ when a correctness check or a case fails (a missed performance goal is reported,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -89,18 +91,20 @@ def correctness_checks() -> list[dict]:
             for i, (qls, ctxs) in enumerate(batches):
                 batch = random_paged_batch(qls, ctxs, h, hkv, d, BLOCK_SIZE, dtype, DEVICE, seed=i)
                 ref = reference_f64(batch, d ** -0.5)
-                for splits in (None, 1, 5):
+                for splits, merge in ((None, "separate"), (1, "separate"), (5, "separate"),
+                                      (None, "inline"), (5, "inline")):
                     out = torch.full_like(batch.q, float("nan"))
                     paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
                                     batch.context_lens, batch.query_start_loc, batch.max_query_len,
                                     d ** -0.5, max_context_len=batch.max_context_len,
-                                    num_splits=splits, out=out)
+                                    num_splits=splits, out=out, merge=merge)
                     err = rel_error(out, ref)
                     ok = err < CHECK_TOL[dtype]   # NaN compares False
                     results.append({"dtype": str(dtype), "shape": shape, "query_lens": qls,
-                                    "context_lens": ctxs, "num_splits": splits, "rel_err": err, "ok": ok})
+                                    "context_lens": ctxs, "num_splits": splits, "merge": merge,
+                                    "rel_err": err, "ok": ok})
                     log(f"check {'PASS' if ok else 'FAIL'} {dtype} {shape} q={qls} ctx={ctxs} "
-                        f"splits={splits} rel_err={err:.2e}")
+                        f"splits={splits} merge={merge} rel_err={err:.2e}")
     return results
 
 
@@ -162,10 +166,10 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
             out = torch.full_like(q, float("nan"))
             plan = launch_plan(b, h, hkv, d, ql, ctx, q.device)
 
-            def ours(cfg=None, splits=None):
+            def ours(cfg=None, splits=None, merge="separate"):
                 return paged_attention(q, base.k_cache, base.v_cache, base.block_tables,
                                        base.context_lens, qsl, ql, scale, max_context_len=ctx,
-                                       out=out, num_splits=splits, config=cfg)
+                                       out=out, num_splits=splits, config=cfg, merge=merge)
 
             ours()
             q4 = q.view(b, ql, h, d).transpose(1, 2).contiguous()                 # [B, H, ql, D]
@@ -174,6 +178,15 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
             row["check_vs_sdpa_rel_err"] = rel_error(out, ref)
             row["check_ok"] = row["check_vs_sdpa_rel_err"] < 2 * CHECK_TOL[DTYPE]
             row["ms"] = timed(ours, graphed, **BENCH_MS)
+            if plan["num_splits"] > 1:
+                inline = functools.partial(ours, merge="inline")
+                out.fill_(float("nan"))
+                inline()                          # eager first: compiles it, zeroes the counters
+                row["check_inline_rel_err"] = rel_error(out, ref)
+                row["check_ok"] = row["check_ok"] and row["check_inline_rel_err"] < 2 * CHECK_TOL[DTYPE]
+                row["ms_inline_merge"] = timed(inline, graphed, **BENCH_MS)
+            else:
+                row["ms_inline_merge"] = row["ms"]   # one split: no merge to fold in
             row["eager_ms"] = timed(ours, False, **BENCH_MS) if graphed else row["ms"]
             try:
                 row["sdpa_ms"] = timed(sdpa, graphed, **BENCH_MS)
@@ -189,7 +202,7 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
                                                 "num_splits")}
             if tune_s > 0 and (shape, b, ctx, ql) in TUNE_CASES:
                 t_tune = time.time()
-                row["tuning"] = tune_case(ours, row["plan"], graphed, t_tune + tune_s)
+                row["tuning"] = tune_case(ours, row["plan"], ql * (h // hkv), graphed, t_tune + tune_s)
                 row["tuning_s"] = time.time() - t_tune
         except Exception as e:  # noqa: BLE001 - one failed case must not hide the others
             row["error"] = repr(e)
@@ -199,10 +212,12 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
     return rows
 
 
-def tune_candidates(plan: dict):
-    """(config, splits) pairs, most informative first: the plan's tile at other split counts, then
-    the other tiles at the plan's split count and at one split, then the rest. Splits are a runtime
-    argument (no compile); every new tile costs a compile, so the deadline cuts from the end."""
+def tune_candidates(plan: dict, rows: int):
+    """(config, splits, merge), most informative first: the plan's tile at other split counts with
+    either merge, then CUDA-core tiles when a tile holds <= 8 rows (q=1 GQA: 16-row MMA tiles are
+    75% padding), the other tiles at the plan's split count and at one split, then the rest. Splits
+    are a runtime argument (no compile); every new tile costs a compile, so the deadline cuts from
+    the end. rows: query rows of a tile (query len x group)."""
     s0 = plan["num_splits"]
     splits = sorted({1, max(1, s0 // 2), s0, 2 * s0, 4, 8, 16, 32} - {0})
     splits = [s for s in splits if s <= 64]
@@ -210,31 +225,41 @@ def tune_candidates(plan: dict):
     tiles = [own] + [t for t in TUNE_TILES if t != own]
     if plan["BLOCK_M"] < 64:  # does a 64-row tile (wgmma-sized, rows wasted) stream faster?
         tiles.insert(3, {**own, "BLOCK_M": 64})
+    if rows <= 8:   # CUDA-core tiles of exactly the group's rows (BLOCK_M < 16: no tl.dot)
+        small = [{"BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": n, "num_warps": 4,
+                  "num_stages": st} for n, st in ((32, 2), (64, 2), (32, 3))]
+    else:
+        small = []
+    order = ([(own, splits, "separate"), (own, [s for s in splits if s > 1], "inline")]
+             + [(t, [s0, 1], m) for t in small for m in ("separate", "inline")]
+             + [(t, [s0, 1], "separate") for t in tiles[1:]]
+             + [(t, [s0], "inline") for t in tiles[1:]]
+             + [(t, splits, "separate") for t in tiles[1:]])
     seen = set()
-    for cfg, ss in [(own, splits)] + [(t, [s0, 1]) for t in tiles[1:]] + [(t, splits) for t in tiles[1:]]:
+    for cfg, ss, merge in order:
         for s in ss:
-            key = (tuple(sorted(cfg.items())), s)
+            key = (tuple(sorted(cfg.items())), s, merge if s > 1 else "separate")
             if key not in seen:
                 seen.add(key)
-                yield cfg, s
+                yield cfg, s, key[2]
 
 
-def tune_case(ours, plan: dict, graphed: bool, deadline: float) -> list[dict]:
-    """Times other tile configs and split counts: data for the next heuristic, not the result."""
+def tune_case(ours, plan: dict, rows: int, graphed: bool, deadline: float) -> list[dict]:
+    """Times other tile configs, split counts and merges: data for the next heuristic, not the result."""
     results = []
-    for cfg, splits in tune_candidates(plan):
+    for cfg, splits, merge in tune_candidates(plan, rows):
         if time.time() > deadline:
             break
         try:
-            ours(cfg, splits)
-            ms = timed(lambda: ours(cfg, splits), graphed, **TUNE_MS)
-            results.append({**cfg, "num_splits": splits, "ms": ms})
+            ours(cfg, splits, merge)
+            ms = timed(lambda: ours(cfg, splits, merge), graphed, **TUNE_MS)
+            results.append({**cfg, "num_splits": splits, "merge": merge, "ms": ms})
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this config
-            results.append({**cfg, "num_splits": splits, "error": repr(e)[:200]})
+            results.append({**cfg, "num_splits": splits, "merge": merge, "error": repr(e)[:200]})
     return results
 
 
-HEADER = (f"{'shape':<18}{'B':>4}{'ctx':>6}{'q':>4}{'KV MB':>9}{'ms':>9}{'eager':>9}{'sdpa ms':>9}"
+HEADER = (f"{'shape':<18}{'B':>4}{'ctx':>6}{'q':>4}{'KV MB':>9}{'ms':>9}{'inline':>9}{'eager':>9}{'sdpa ms':>9}"
           f"{'floor':>8}{'%floor':>8}{'xSDPA':>7}{'tile':>12}{'S':>4}  notes")
 
 
@@ -256,7 +281,7 @@ def fmt_row(r: dict) -> str:
             notes.append(f"best of {len(ok)} tuned {best['ms']:.4f} ms {best}")
     p = r["plan"]
     tile = f"{p['BLOCK_M']}/{p['BLOCK_N']}/{p['num_warps']}/{p['num_stages']}"
-    return head + (f"{r['ms']:>9.4f}{r['eager_ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
+    return head + (f"{r['ms']:>9.4f}{r['ms_inline_merge']:>9.4f}{r['eager_ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
                    f"{100 * r['frac_of_floor']:>7.1f}%{r['vs_sdpa']:>7.2f}{tile:>12}{p['num_splits']:>4}  "
                    + "; ".join(notes))
 
@@ -273,7 +298,12 @@ def goals(rows: list[dict]) -> dict:
                    f"{100 * r['frac_of_floor']:.0f}% of floor, {r['vs_sdpa']:.2f}x SDPA" for r in good
                    if r["ms"] > r["sdpa_ms"]
                    or (r["kv_bytes"] >= FLOOR_GOAL_BYTES and r["frac_of_floor"] < FLOOR_GOAL)],
+        "not_slower_than_sdpa_inline_merge": {"met": sum(r["ms_inline_merge"] <= r["sdpa_ms"] for r in good),
+                                              "of": len(good)},
+        "inline_merge_faster": {"met": sum(r["ms_inline_merge"] < r["ms"] for r in good if "check_inline_rel_err" in r),
+                                "of": sum("check_inline_rel_err" in r for r in good)},
         "latency_b1_ctx1024_q8_le_15us": {r["shape"]: round(r["ms"] * 1e3, 2) for r in lat},
+        "latency_inline_merge_us": {r["shape"]: round(r["ms_inline_merge"] * 1e3, 2) for r in lat},
         "latency_eager_us": {r["shape"]: round(r["eager_ms"] * 1e3, 2) for r in lat},
         "errors": len(rows) - len(good),
         "mismatches_vs_sdpa": sum(not r["check_ok"] for r in good),

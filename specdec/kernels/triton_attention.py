@@ -10,7 +10,9 @@ Design (notes/attention.md has the numbers):
   mask cuts (the tile's own new tokens) runs the masked loop.
 - Split-KV (flash-decoding): when batch x KV heads x query tiles cannot fill the GPU, each program
   covers 1/S of the keys and writes an unnormalised partial (o, log-sum-exp); a second kernel merges
-  them. The grid depends only on (batch, KV heads, max query len, S), all host values a CUDA-graph
+  them, or (merge="inline") the last split of each query tile to arrive, counted by an atomic, does.
+  Tiles of fewer than 16 rows (a config override: BLOCK_M < 16) use CUDA-core products, not tl.dot.
+  The grid depends only on (batch, KV heads, max query len, S), all host values a CUDA-graph
   bucket fixes; nothing in here reads device memory on the host.
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ MAX_SPLITS = 64
 def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len, pos, scale_log2,
                  stride_kb, stride_ks, stride_vb, stride_vs,
                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     keys = start + offs_n
@@ -40,19 +43,31 @@ def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_l
     else:
         page = tl.load(bt_row + keys // PAGE).to(tl.int64)
     slot = keys % PAGE
-    k_ptrs = K + kv_off_k + page[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+    if DOT:  # K as [D, N], the dot's right operand
+        k_ptrs = K + kv_off_k + page[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+        k_ok = (keys[None, :] < kv_len) & (offs_d[:, None] < HEAD_DIM)
+        k_d_ok = offs_d[:, None] < HEAD_DIM
+    else:    # K as [N, D] rows, like V
+        k_ptrs = K + kv_off_k + page[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :]
+        k_ok = (keys[:, None] < kv_len) & (offs_d[None, :] < HEAD_DIM)
+        k_d_ok = offs_d[None, :] < HEAD_DIM
     v_ptrs = V + kv_off_v + page[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
     if MASKED:
         # Padded keys past kv_len must read as 0, not whatever the (page 0) slot holds: 0 * NaN = NaN.
-        k = tl.load(k_ptrs, mask=(keys[None, :] < kv_len) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        k = tl.load(k_ptrs, mask=k_ok, other=0.0)
         v = tl.load(v_ptrs, mask=(keys[:, None] < kv_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     elif HEAD_DIM == D_PAD:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:
-        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+        k = tl.load(k_ptrs, mask=k_d_ok, other=0.0)
         v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    if UPCAST:
+    if not DOT:
+        # Fewer than 16 rows (a q=1 GQA group): CUDA-core products in fp32, no padded MMA rows.
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2                # [M, N]
+    elif UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2                  # [M, N]
@@ -65,7 +80,9 @@ def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_l
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if UPCAST:
+    if not DOT:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+    elif UPCAST:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -74,13 +91,13 @@ def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_l
 
 @triton.jit
 def _paged_attention_kernel(
-        Q, K, V, Out, Part, BlockTables, ContextLens, QueryStart,
+        Q, K, V, Out, Part, Counters, BlockTables, ContextLens, QueryStart,
         scale_log2, num_heads, num_splits, lse_offset,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt,
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+        SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     qtile = tl.program_id(2) // num_splits
@@ -104,7 +121,7 @@ def _paged_attention_kernel(
 
     q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if UPCAST:
+    if UPCAST or BLOCK_M < 16:
         q = q.to(tl.float32)
     else:
         q = q.to(K.dtype.element_ty)
@@ -126,11 +143,11 @@ def _paged_attention_kernel(
     for start in range(lo, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
                                      pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST)
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST, BLOCK_M >= 16)
     for start in range(unmasked_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
                                      pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST)
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST, BLOCK_M >= 16)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]       # l == 0 only where a split saw no visible key
     dmask = offs_d[None, :] < HEAD_DIM
@@ -139,9 +156,49 @@ def _paged_attention_kernel(
         tl.store(Part + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(Part + lse_offset + row, lse, mask=row_ok)
+        if INLINE_MERGE:
+            # The last split of this (sequence, KV head, query tile) to finish merges all of them.
+            # Release: the barrier orders every thread's partial stores before the one thread's
+            # gpu-scope release atomic (release is cumulative); acquire: the last program's atomic
+            # then the barrier order all its threads' partial loads after every other release.
+            tl.debug_barrier()
+            n_qtiles = tl.num_programs(2) // num_splits
+            counter = Counters + (seq * tl.num_programs(1) + kvh) * n_qtiles + qtile
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)    # every split has arrived: zero for the next call or replay
+                out = _merge_rows(Part, lse_offset, ((q_start + tok) * num_heads + head) * num_splits,
+                                  row_ok, num_splits, BLOCK_M, D_PAD)
+                o_ptrs = (Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+                          + offs_d[None, :])
+                tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dmask)
     else:
         o_ptrs = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dmask)
+
+
+@triton.jit
+def _merge_rows(Part, lse_offset, row0, row_ok, num_splits, BLOCK_M: tl.constexpr,
+                D_PAD: tl.constexpr):
+    """Online merge of num_splits partials of BLOCK_M rows (row r's split s at row0[r] + s).
+    Loads bypass L1 (.cg): the partials were written by other programs of this launch."""
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(Part + lse_offset + row0 + s, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        o = tl.load(Part + (row0 + s)[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)      # 0 for a split that saw no visible key (lse = -inf)
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    return acc / tl.maximum(den, 1e-30)[:, None]
 
 
 @triton.jit
@@ -282,20 +339,38 @@ def launch_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                     plan))
 
 
+@functools.lru_cache(maxsize=None)
+def _tile_counters(device: torch.device, capacity: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the inline merge, one per (sequence, KV head, query tile).
+
+    Kept for the process's life: a CUDA graph that captured a call replays with this address, and
+    every call leaves it zero (the last split of a tile resets its counter), so no memset is ever
+    launched. Calls that run concurrently on two streams of one device must not share it; the
+    runner issues attention on one stream per device."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("inline merge: make one eager call before capturing a CUDA graph (the "
+                           "arrival counters are zeroed once, outside any graph)")
+    return torch.zeros(capacity, dtype=torch.int32, device=device)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, *,
                     max_context_len: int | None = None, num_splits: int | None = None,
                     out: torch.Tensor | None = None, config: dict | None = None,
-                    _upcast: bool | None = None) -> torch.Tensor:
+                    merge: str = "separate", _upcast: bool | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context (see
     reference.paged_attention_ref for the semantics).
 
     q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int32;
     context_lens: [B] int32 (new tokens included); query_start_loc: [B+1] int32. max_query_len and
     max_context_len are host bounds (any upper bound works; they size the grid and the split count).
-    Returns out [T, H, D] in q's dtype.
+    merge (with more than one KV split): "separate" launches a second kernel that merges the
+    partials; "inline" lets the last split of each query tile merge them (one launch, an atomic
+    counter per tile). Returns out [T, H, D] in q's dtype.
     """
+    if merge not in ("separate", "inline"):
+        raise ValueError(f"merge must be 'separate' or 'inline', not {merge!r}")
     t, h, d = q.shape
     _, page, hkv, d_k = k_cache.shape
     if d_k != d or v_cache.shape != k_cache.shape or h % hkv:
@@ -323,15 +398,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part = torch.empty(lse_offset + t * h * num_splits, dtype=torch.float32, device=device)
     else:
         part, lse_offset = out, 0  # never touched: the SPLIT branch is compiled out
+    inline = split and merge == "inline"
+    if inline:  # capacity in powers of two from 4096: one buffer covers every automatic split plan
+        counters = _tile_counters(device, max(4096, triton.next_power_of_2(b * hkv * n_qtiles)))
+    else:
+        counters = part
     _paged_attention_kernel[(b, hkv, n_qtiles * num_splits)](
-        q, k_cache, v_cache, out, part, block_tables, context_lens, query_start_loc,
+        q, k_cache, v_cache, out, part, counters, block_tables, context_lens, query_start_loc,
         scale * LOG2E, h, num_splits, lse_offset,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
         G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, UPCAST=upcast, num_warps=warps, num_stages=stages)
-    if split:
+        SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast, num_warps=warps, num_stages=stages)
+    if split and not inline:
         _merge_splits_kernel[(t, h)](
             out, part, h, num_splits, lse_offset, out.stride(0), out.stride(1),
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
@@ -362,10 +442,13 @@ class TritonAttention:
 
     name = "triton"
 
+    def __init__(self, merge: str = "separate"):
+        self.merge = merge   # how split-KV partials are merged (see paged_attention)
+
     def store(self, k, v, k_cache, v_cache, batch) -> None:
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
 
     def attend(self, q, k_cache, v_cache, batch, scale: float) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
                                batch.query_start_loc, batch.max_query_len, scale,
-                               max_context_len=batch.max_context_len)
+                               max_context_len=batch.max_context_len, merge=self.merge)

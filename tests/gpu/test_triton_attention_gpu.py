@@ -10,7 +10,8 @@ from triton.runtime.errors import OutOfResources
 from specdec.config import CacheConfig, ModelConfig
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error
 from specdec.kernels.reference import TorchAttention, store_kv_ref
-from specdec.kernels.triton_attention import TritonAttention, paged_attention, store_kv
+from specdec.kernels.triton_attention import (TritonAttention, _tile_counters, paged_attention,
+                                               store_kv)
 from specdec.models.loader import build_model, init_random
 from specdec.runner import ModelRunner, SeqInput
 
@@ -38,20 +39,51 @@ def attention(batch, scale, **kw):
     return out
 
 
+@pytest.mark.parametrize("merge", ["separate", "inline"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda x: "x".join(map(str, x)))
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_matches_float64_reference(name, heads, dtype):
+def test_matches_float64_reference(name, heads, dtype, merge):
     h, hkv, d = heads
     qls, ctxs = BATCHES[name]
     seed = zlib.crc32(f"{name}{heads}{dtype}".encode())
     for block_size in (16, 32) if name == "verify" else (16,):
         batch = random_paged_batch(qls, ctxs, h, hkv, d, block_size, dtype, "cuda", seed=seed)
         ref = reference_f64(batch, d ** -0.5)
-        for splits in (None, 1, 7):
-            out = attention(batch, d ** -0.5, num_splits=splits)
+        for splits in (None, 1, 7) if merge == "separate" else (None, 3, 7):
+            out = attention(batch, d ** -0.5, num_splits=splits, merge=merge)
             err = rel_error(out, ref)
             assert err < TOL[dtype], (name, heads, dtype, block_size, splits, err)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_inline_merge_graph_replays_reset_counters(splits):
+    # A graph captured around an inline-merge call replays correctly on new inputs, twice, and
+    # leaves every arrival counter at zero (the last split of each tile resets its own).
+    h, hkv, d = 32, 8, 128
+    batch = random_paged_batch([1, 8, 3, 1], [4000, 517, 64, 1], h, hkv, d, 16, torch.bfloat16,
+                               "cuda", seed=splits)
+    out = torch.full_like(batch.q, float("nan"))
+
+    def call():
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                        batch.query_start_loc, batch.max_query_len, d ** -0.5,
+                        max_context_len=batch.max_context_len, num_splits=splits, out=out,
+                        merge="inline")
+
+    call()                                   # eager first: compiles, makes the counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    gen = torch.Generator(device="cuda").manual_seed(splits)
+    for _ in range(2):
+        batch.q.copy_(torch.randn(batch.q.shape, device="cuda", generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, reference_f64(batch, d ** -0.5)) < TOL[torch.bfloat16]
+        assert not _tile_counters(out.device, 4096).any()
 
 
 def test_float32_cache_is_exact_and_deterministic():
@@ -78,6 +110,11 @@ def test_tile_configs_agree(dtype):
             assert rel_error(out, ref) < TOL[dtype], cfg
             ran += 1
     assert ran >= 6
+    for block_m in (4, 8):            # CUDA-core tiles (no tl.dot), the q=1 GQA tuning candidates
+        for merge in ("separate", "inline"):
+            cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "num_stages": 2}
+            out = attention(batch, 0.08, config=cfg, num_splits=3, merge=merge)
+            assert rel_error(out, ref) < TOL[dtype], (cfg, merge)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)

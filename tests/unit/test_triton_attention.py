@@ -8,8 +8,9 @@ import torch
 from specdec.config import CacheConfig, ModelConfig
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error
 from specdec.kernels.reference import TorchAttention, paged_attention_ref, store_kv_ref
-from specdec.kernels.triton_attention import (SMEM_BUDGET, TritonAttention, choose_splits,
-                                               launch_plan, paged_attention, store_kv, tile_config)
+from specdec.kernels.triton_attention import (SMEM_BUDGET, TritonAttention, _tile_counters,
+                                               choose_splits, launch_plan, paged_attention, store_kv,
+                                               tile_config)
 from specdec.models.loader import build_model, init_random
 from specdec.runner import ModelRunner, SeqInput
 
@@ -62,13 +63,48 @@ def test_random_ragged_shapes(seed):
     assert rel_error(out, ref) < 1e-5, (qls, ctxs, hkv, group, d, bs, cfg, splits)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("name", ["ragged_gqa_unaligned", "group3_dpad_splits", "mqa_page_gt_tile",
+                                  "more_splits_than_tiles"])
+def test_inline_merge_matches_reference_and_resets_counters(name, splits):
+    # mqa_page_gt_tile has 8 query tiles per sequence (some dead: 3 tokens), more_splits_than_tiles
+    # has splits without keys; two calls in a row check that the counters come back to zero.
+    qls, ctxs, h, hkv, d, bs, cfg, _ = CASES[name]
+    batch = random_paged_batch(qls, ctxs, h, hkv, d, bs, torch.float32, "cpu", seed=2)
+    separate, ref = run_both(batch, splits, cfg)
+    for _ in range(2):
+        out, _ = run_both(batch, splits, cfg, merge="inline")
+        assert rel_error(out, ref) < 1e-5
+        torch.testing.assert_close(out, separate, rtol=1e-6, atol=1e-6)
+        assert not _tile_counters(torch.device("cpu"), 4096).any()
+
+
+@pytest.mark.parametrize("merge", ["separate", "inline"])
+@pytest.mark.parametrize("block_m", [1, 4, 8])
+def test_small_row_tiles_without_dot(block_m, merge):
+    # BLOCK_M < 16: CUDA-core products, for a q=1 GQA group that would fill 4 of 16 MMA rows.
+    group = min(block_m, 4)
+    batch = random_paged_batch([1, 1, 2, 1], [1, 30, 70, 17], 2 * group, 2, 32, 8, torch.float32,
+                               "cpu", seed=block_m)
+    for splits in (1, 3):
+        out, ref = run_both(batch, splits, {"BLOCK_N": 16, "BLOCK_M": block_m}, merge=merge)
+        assert rel_error(out, ref) < 1e-5, splits
+
+
+def test_unknown_merge_mode_is_rejected():
+    batch = random_paged_batch([1], [5], 2, 1, 16, 4, torch.float32, "cpu", seed=0)
+    with pytest.raises(ValueError, match="merge"):
+        run_both(batch, 2, merge="fused")
+
+
 @pytest.mark.parametrize("dtype,upcast,tol", [(torch.float16, False, 2e-3), (torch.bfloat16, True, 1e-2)])
 def test_half_precision_against_float64(dtype, upcast, tol):
     # fp16 without upcast runs the GPU code path (fp16 dot operands, P cast to fp16).
     batch = random_paged_batch([3, 1, 6], [21, 1, 40], 4, 2, 32, 8, dtype, "cpu", seed=3)
-    out, _ = run_both(batch, 2, {"BLOCK_N": 16}, _upcast=upcast)
-    assert out.dtype == dtype
-    assert rel_error(out, reference_f64(batch, SCALE)) < tol
+    for merge in ("separate", "inline"):
+        out, _ = run_both(batch, 2, {"BLOCK_N": 16}, merge=merge, _upcast=upcast)
+        assert out.dtype == dtype
+        assert rel_error(out, reference_f64(batch, SCALE)) < tol
 
 
 def test_store_kv_matches_reference_and_skips_negative_slots():
