@@ -1,13 +1,15 @@
 """Target-only decode on the GPU: our runner (CUDA graphs) against the HBM floor and transformers.
 
-    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static]
+    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static] [--gemv]
 
 For each batch size: the device time of one graphed decode forward (graph replay) with the fused
 layer kernels and, for comparison, with the torch layer ops; the tokens/s of a full greedy loop
 through ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
 (weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
-weights. --hf-static adds transformers' static cache, which torch.compiles on first use: its warm-up
-runs the same max_new_tokens so compilation stays outside the timing, and it can take minutes.
+weights. --gemv adds the replay time with the Triton GEMV (kernels/gemv.py) for the projections and
+LM head, same weights, same run (batches above 16 tokens fall back to cuBLAS). --hf-static adds
+transformers' static cache, which torch.compiles on first use: its warm-up runs the same
+max_new_tokens so compilation stays outside the timing, and it can take minutes.
 Writes bench/results/decode.json after our rows, then again after each comparison, so a comparison
 that fails or is killed by a time limit leaves our numbers on disk.
 """
@@ -104,6 +106,8 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--hf-static", action="store_true",
                     help="also time transformers with a static cache (torch.compile: slow to start)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="also the replay time with the GEMV kernels for the linear layers (off by default)")
     ap.add_argument("--no-torch-ops", action="store_true",
                     help="skip the replay time of the same model on the torch layer ops")
     args = ap.parse_args()
@@ -136,6 +140,16 @@ def main() -> int:
         rows.append(r)
         print(f"ours batch {b}: {r}", flush=True)
     path = write_result("decode", result)
+    if args.gemv:
+        model.set_gemv_kernels(True)
+        for r in rows:
+            _compare(r, "replay_ms_gemv",
+                     lambda: ours(model, r["batch"], args.steps, max_len, loop=False)["replay_ms"])
+            if r.get("replay_ms_gemv"):
+                r["gemv_speedup"] = r["replay_ms"] / r["replay_ms_gemv"]
+                r["replay_frac_of_floor_gemv"] = floor_ms / r["replay_ms_gemv"]
+        model.set_gemv_kernels(False)
+        write_result("decode", result)
     if not args.no_torch_ops and model.ops.name != "torch":
         model.set_fused_kernels(False)  # the same weights on the unfused ops: what the kernels buy
         for r in rows:
@@ -158,6 +172,7 @@ def main() -> int:
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step")
     print(table(rows, [("batch", "batch", "d"), ("replay_ms", "replay ms", ".2f"), ("step_ms", "step ms", ".2f"),
                        ("floor_ms", "floor ms", ".2f"), ("frac_of_floor", "frac floor", ".2f"),
+                       ("replay_ms_gemv", "gemv replay ms", ".2f"), ("gemv_speedup", "x gemv", ".2f"),
                        ("replay_ms_torch_ops", "torch-ops replay ms", ".2f"), ("fused_speedup", "x fused", ".2f"),
                        ("tok_s", "tok/s", ".0f"), ("hf_eager_tok_s", "HF eager tok/s", ".0f"),
                        ("speedup_vs_hf_eager", "x HF eager", ".1f"), ("hf_static_tok_s", "HF static tok/s", ".0f"),

@@ -14,6 +14,7 @@ agree with it to the last bit except for reduction order and exp/rsqrt approxima
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -213,3 +214,7 @@ class FusedLayerOps:
     @staticmethod
     def silu_mul(gate_up):
         return silu_mul(gate_up)
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        return F.linear(x, weight, bias)

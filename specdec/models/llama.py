@@ -85,6 +85,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)                                  # [T, I] each
         return F.silu(gate) * up
 
+    @staticmethod
+    def linear(x, weight, bias=None):
+        """Every projection and the LM head (kernels/gemv.GemvOps replaces it at decode sizes)."""
+        return F.linear(x, weight, bias)
+
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x @ W_shard^T) + b: the bias is added once, after the reduction."""
@@ -95,8 +100,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out)) if bias else None
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -114,13 +119,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend, ops) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = ops.rope_store(q.view(t, self.num_heads, self.head_dim),
                            k.view(t, self.num_kv_heads, self.head_dim),
                            v.view(t, self.num_kv_heads, self.head_dim), cos, sin, kv_layer, batch, backend)
         k_cache, v_cache = kv_layer
         out = backend.attend(q, k_cache, v_cache, batch, self.scale)         # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(t, self.q_size), ops.linear)
 
 
 class MLP(nn.Module):
@@ -131,7 +137,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return self.down_proj(ops.silu_mul(gate_up), ops.linear)
 
 
 class DecoderLayer(nn.Module):
@@ -153,11 +160,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), fused_kernels: bool = False):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), fused_kernels: bool = False,
+                 gemv_kernels: bool = False):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.set_fused_kernels(fused_kernels)
+        self.fused_kernels = fused_kernels
+        self.gemv_kernels = gemv_kernels
+        self._choose_ops()
         # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
@@ -168,11 +178,24 @@ class LlamaModel(nn.Module):
     def set_fused_kernels(self, enabled: bool) -> None:
         """Triton kernels for norm/RoPE/KV store/SiLU (CUDA) or the torch ops (any device). Choose before
         capturing CUDA graphs: a graph keeps the ops it was captured with."""
-        if enabled:
+        self.fused_kernels = enabled
+        self._choose_ops()
+
+    def set_gemv_kernels(self, enabled: bool) -> None:
+        """The Triton GEMV (kernels/gemv.py) for the projections and LM head where a step has <= 16
+        tokens on CUDA, cuBLAS otherwise; the same caveat about captured graphs."""
+        self.gemv_kernels = enabled
+        self._choose_ops()
+
+    def _choose_ops(self) -> None:
+        if self.fused_kernels:
             from specdec.kernels.fused import FusedLayerOps  # Triton is imported only when asked for
             self.ops = FusedLayerOps()
         else:
             self.ops = TorchLayerOps()
+        if self.gemv_kernels:
+            from specdec.kernels.gemv import GemvOps
+            self.ops = GemvOps(self.ops)
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -189,4 +212,4 @@ class LlamaModel(nn.Module):
         last = None if residual is None else residual[rows]
         x, _ = self.ops.add_rmsnorm(x[rows], last, self.norm)               # [N, hidden]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return self.ops.linear(x, head).float()

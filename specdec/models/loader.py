@@ -17,13 +17,15 @@ class CheckpointError(ValueError):
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                tp: TensorParallel = TensorParallel(), fused_kernels: bool | None = None) -> LlamaModel:
+                tp: TensorParallel = TensorParallel(), fused_kernels: bool | None = None,
+                gemv_kernels: bool = False) -> LlamaModel:
     """An uninitialised model (weights are whatever memory held) on device in dtype. fused_kernels:
-    Triton norm/RoPE/SiLU kernels; None = on CUDA devices only."""
+    Triton norm/RoPE/SiLU kernels; None = on CUDA devices only. gemv_kernels: the Triton GEMV for the
+    linear layers at decode/verify sizes (off until measured faster than cuBLAS)."""
     if fused_kernels is None:
         fused_kernels = torch.device(device).type == "cuda"
     with torch.device("meta"):
-        model = LlamaModel(cfg, tp, fused_kernels)
+        model = LlamaModel(cfg, tp, fused_kernels, gemv_kernels)
     return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
 
 
@@ -117,10 +119,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str) -> bool:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                tp: TensorParallel = TensorParallel(),
-               fused_kernels: bool | None = None) -> tuple[LlamaModel, ModelConfig]:
+               fused_kernels: bool | None = None, gemv_kernels: bool = False) -> tuple[LlamaModel, ModelConfig]:
     path = Path(path)
     cfg = ModelConfig.from_path(path)
-    model = build_model(cfg, dtype, device, tp, fused_kernels)
+    model = build_model(cfg, dtype, device, tp, fused_kernels, gemv_kernels)
     expected = expected_tensor_names(cfg)
     seen: set[str] = set()
     with torch.no_grad():

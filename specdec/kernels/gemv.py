@@ -1,0 +1,212 @@
+"""Skinny GEMM for decode and verify: y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M <= 16 tokens.
+
+At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32 MB of weight against
+16 KB of activations), so the kernel is built to stream W once, at full width:
+- each program owns BLOCK_N rows of W and walks K in BLOCK_K slices: every row segment is a
+  contiguous run of BLOCK_K elements (512 B .. 2 KB), loaded as 16-byte vectors;
+- M == 1 multiplies elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces once at the
+  end (no tensor cores, no padding); 2 <= M <= 16 pads the tokens to 16 rows and uses tl.dot, whose
+  operands the compiler pipelines through shared memory (num_stages deep);
+- BLOCK_N shrinks for small N so that there are programs for every SM; where even the smallest
+  BLOCK_N leaves SMs idle, K is split over a second grid axis: fp32 partials [S, M, N] and a second,
+  tiny kernel that sums them in split order (deterministic: the same bits every run, unlike atomics).
+Accumulation is fp32 for every input dtype, rounded once to the output dtype with the bias added, as
+cuBLAS does, so bf16 results agree with F.linear up to reduction order.
+
+The GPU path of the model uses it through GemvOps (chosen at build, off by default); `gemv` itself
+runs anywhere Triton does (the CPU under TRITON_INTERPRET=1, which the unit tests use).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_M = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                   # [BLOCK_N, 1]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                   # [BLOCK_M, 1]
+    if BLOCK_M == 1:
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+                x = tl.load(X + offs_k)
+            else:  # splits are whole BLOCK_Ks: only K's own end needs a mask (K % 16 keeps 16 B loads)
+                k_ok = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(X + offs_k, mask=k_ok, other=0.0)
+            part += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT > 1:
+        ws = WS + (pid_k * M + offs_m)[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(WS, B, Y, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # fixed order: deterministic
+        acc += tl.load(WS + (s * M + m).to(tl.int64) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + m.to(tl.int64) * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (1, 16) or self.split_k < 1:
+            raise ValueError(f"GemvConfig: block_m {self.block_m} must be 1 or 16, split_k >= 1")
+        if self.block_m == 16 and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError("GemvConfig: tl.dot needs block_n, block_k >= 16")
+        if any(b & (b - 1) or b < 1 for b in (self.block_n, self.block_k)):
+            raise ValueError(f"GemvConfig: blocks {self.block_n} x {self.block_k} must be powers of two")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pick what an H200 would
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """~8 KB of W per program per K step (4 warps: 32 elements each thread); BLOCK_N as large as still
+    gives 4 programs per SM, split-K only where the smallest BLOCK_N leaves SMs without a program
+    (for Llama-7B at tensor-parallel size 1 that never happens: N >= 4096)."""
+    if m == 1:
+        choices, tile = (16, 8, 4), 4096
+    else:
+        choices, tile = (32, 16), 16 * 256                                  # [16, 256] W tile per stage
+    block_n = next((b for b in choices if triton.cdiv(n, b) >= 4 * num_sms), choices[-1])
+    block_k = min(tile // block_n, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    if tiles < num_sms:
+        split = min(triton.cdiv(2 * num_sms, tiles), max(1, k // block_k), 16)
+    return GemvConfig(block_m=1 if m == 1 else 16, block_n=block_n, block_k=block_k, split_k=split)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
+    dtype. Always the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_M or weight.shape != (n, k) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)} do not fit (M <= {MAX_M})")
+    if x.dtype != weight.dtype or x.dtype not in _DTYPES:
+        raise ValueError(f"gemv: x {x.dtype} and weight {weight.dtype} must be one of {_DTYPES}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("gemv: weight rows must be contiguous")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    if (m == 1) != (cfg.block_m == 1):
+        raise ValueError(f"gemv: config block_m {cfg.block_m} does not serve M = {m}")
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty splits
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    b = bias if bias is not None else y
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, weight, b, y, ws, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            ws, b, y, m, n, y.stride(0), SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block,
+            num_warps=4)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           on_cpu: bool = False) -> torch.Tensor:
+    """F.linear, on the GEMV kernel where it serves: CUDA (or on_cpu, for interpreter tests), 2-D
+    after flattening, M <= 16, matching 16/32-bit dtypes. Anything else is F.linear's."""
+    lead = x.shape[:-1]
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (not (x.is_cuda or on_cpu) or m > MAX_M or x.dtype != weight.dtype or x.dtype not in _DTYPES
+            or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] == 0
+            or (bias is not None and bias.dtype != x.dtype)):
+        return F.linear(x, weight, bias)
+    return gemv(x.reshape(m, x.shape[-1]), weight, bias).view(*lead, weight.shape[0])
+
+
+class GemvOps:
+    """A layer op set (TorchLayerOps or FusedLayerOps) whose linear layers run on the GEMV kernel:
+    every other step is the base set's."""
+
+    def __init__(self, base, on_cpu: bool = False):
+        self.base = base
+        self.on_cpu = on_cpu
+        self.name = base.name + "+gemv"
+
+    def __getattr__(self, attr):  # only called for what the instance lacks: the base set's ops
+        if attr == "base":
+            raise AttributeError(attr)
+        return getattr(self.base, attr)
+
+    def linear(self, x, weight, bias=None):
+        return linear(x, weight, bias, on_cpu=self.on_cpu)

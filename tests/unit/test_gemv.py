@@ -1,0 +1,157 @@
+"""The skinny-GEMM kernel (kernels/gemv.py) against float64 torch: on the CPU under TRITON_INTERPRET=1
+(conftest sets it), both code paths (M = 1 elementwise, M > 1 tl.dot), split-K on and off, shapes
+that are not multiples of the blocks; on the GPU the same plus Llama-7B shapes, and a tiny model's
+logits with the GEMV on against the same weights on cuBLAS, eager and inside a CUDA graph."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels.gemv import MAX_M, GemvConfig, GemvOps, default_config, gemv, linear
+from specdec.models.llama import TorchLayerOps
+from specdec.models.loader import build_model, init_random
+from tests.unit.test_fused_kernels import new_runner, rel_err, run_steps, tiny_config
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Relative (Frobenius) error against float64: fp32 is reduction order only; bf16 adds the one
+# rounding of the output (2^-9 relative; the interpreter truncates rather than rounds: up to 2^-8).
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+
+
+def _operands(m, n, k, dtype, device, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = torch.randn(n, k, generator=gen).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    return x, w, b
+
+
+def _err(y, x, w, b):
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    return ((y.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("split", [1, 3], ids=["one-split", "split-k3"])
+def test_gemv_matches_float64(device, dtype, m, split):
+    n, k = 37, 200  # neither a multiple of any block: masked rows and a ragged last K step
+    x, w, b = _operands(m, n, k, dtype, device, bias=m % 2 == 1)
+    base = default_config(m, n, k, 132)
+    cfg = GemvConfig(base.block_m, base.block_n, 32, split_k=split)  # 7 K steps: splits of 3, 3, 1
+    y = gemv(x, w, b, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _err(y, x, w, b) < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_default_config_and_even_k(device):
+    for m, n, k in [(1, 64, 128), (5, 48, 256), (16, 20, 64)]:
+        x, w, b = _operands(m, n, k, torch.float32, device, bias=True, seed=m)
+        assert _err(gemv(x, w, b), x, w, b) < TOL[torch.float32]
+
+
+def test_gemv_strided_input_and_empty_shapes():
+    x, w, _ = _operands(4, 24, 80, torch.float32, "cpu", bias=False)
+    wide = torch.randn(4, 160)
+    wide[:, ::2] = x  # a non-contiguous view
+    assert _err(gemv(wide[:, ::2], w), x, w, None) < TOL[torch.float32]
+    assert gemv(x[:0], w).shape == (0, 24)
+    b = torch.randn(24)
+    torch.testing.assert_close(gemv(torch.ones(3, 0), torch.ones(24, 0), b), b.expand(3, 24))
+
+
+def test_gemv_rejects_what_it_does_not_serve():
+    x, w, _ = _operands(MAX_M + 1, 8, 16, torch.float32, "cpu", bias=False)
+    with pytest.raises(ValueError, match="M <= 16"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="dtype|must be one of"):
+        gemv(x[:2], w.double())
+    with pytest.raises(ValueError, match="block_m"):
+        gemv(x[:1], w, config=GemvConfig(16, 16, 16))
+
+
+def test_default_config_splits_k_only_where_n_cannot_fill_the_sms():
+    for m in (1, 4, 8):
+        for n, k in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]:
+            cfg = default_config(m, n, k, 132)
+            assert cfg.split_k == 1 and -(-n // cfg.block_n) >= 132, (m, n, k, cfg)
+            assert cfg.block_m == (1 if m == 1 else 16)
+    small = default_config(1, 256, 4096, 132)  # e.g. a tensor-parallel shard of a small model
+    assert small.split_k > 1 and -(-256 // small.block_n) * small.split_k >= 132
+
+
+def test_linear_dispatch():
+    x, w, b = _operands(3, 24, 40, torch.float32, "cpu", bias=True)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # CPU without on_cpu: F.linear itself
+    x3 = x.view(3, 1, 40)
+    got = linear(x3, w, b, on_cpu=True)
+    assert got.shape == (3, 1, 24) and _err(got.view(3, 24), x, w, b) < TOL[torch.float32]
+    big, _, _ = _operands(MAX_M + 1, 24, 40, torch.float32, "cpu", bias=False)
+    assert torch.equal(linear(big, w, on_cpu=True), F.linear(big, w))
+
+
+def test_gemv_is_off_by_default_and_composes_with_the_layer_ops():
+    model = build_model(tiny_config(), torch.float32, "cpu")
+    assert not model.gemv_kernels and isinstance(model.ops, TorchLayerOps)
+    model.set_gemv_kernels(True)
+    assert isinstance(model.ops, GemvOps) and model.ops.name == "torch+gemv"
+    model.set_fused_kernels(True)
+    assert model.ops.name == "fused+gemv"
+    model.set_gemv_kernels(False)
+    assert model.ops.name == "fused"
+
+
+def test_model_with_gemv_matches_cublas_path_on_cpu():
+    """The wiring (qkv, o, gate_up, down, LM head through ops.linear) with the kernel itself run by the
+    interpreter: the prefill step has 16 tokens, decode 2, verify 5; fp32."""
+    model = init_random(build_model(tiny_config(qkv_bias=True), torch.float32, "cpu"), std=0.1)
+    want = run_steps(new_runner(model, torch.float32))
+    model.set_gemv_kernels(True)
+    model.ops.on_cpu = True
+    got = run_steps(new_runner(model, torch.float32))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8, 16])
+@pytest.mark.parametrize("shape", [(12288, 4096), (4096, 4096), (4096, 11008), (32000, 4096)],
+                         ids=["qkv", "o", "down", "lm_head"])
+@pytest.mark.parametrize("split", [None, 4], ids=["default", "split-k4"])
+def test_gemv_llama7b_shapes_on_cuda(m, shape, split):
+    n, k = shape
+    x, w, _ = _operands(m, n, k, torch.bfloat16, "cuda", bias=False)
+    cfg = default_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    if split:
+        cfg = GemvConfig(cfg.block_m, cfg.block_n, cfg.block_k, split_k=split)
+    # Against float64 the bf16 output rounding dominates; F.linear's own error is the yardstick.
+    assert _err(gemv(x, w, config=cfg), x, w, None) <= 1.5 * _err(F.linear(x, w), x, w, None) + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-ops", "fused-ops"])
+def test_gemv_logits_match_cublas_on_cuda(dtype, fused):
+    cfg = tiny_config(hidden_size=256, intermediate_size=688, num_heads=8, num_kv_heads=8, head_dim=32)
+    model = init_random(build_model(cfg, dtype, "cuda", fused_kernels=fused, gemv_kernels=True), std=0.05)
+    got = run_steps(new_runner(model, dtype))
+    model.set_gemv_kernels(False)
+    want = run_steps(new_runner(model, dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert rel_err(g, w) < tol, (dtype, rel_err(g, w))
+
+
+@pytest.mark.gpu
+def test_gemv_graphed_decode_matches_eager_cublas():
+    model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda", gemv_kernels=True), std=0.05)
+    runner = new_runner(model, torch.bfloat16)
+    runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
+    got = run_steps(runner)
+    assert runner.graphs.replays > 0
+    model.set_gemv_kernels(False)
+    want = run_steps(new_runner(model, torch.bfloat16))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-2
