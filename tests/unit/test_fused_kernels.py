@@ -4,13 +4,13 @@ and a tiny model's logits with fused kernels against the same model on the torch
 import pytest
 import torch
 
-from specdec.config import CacheConfig, ModelConfig, RopeConfig
+from specdec.config import RopeConfig
 from specdec.kernels.fused import FusedLayerOps, add_rmsnorm, rope_store, silu_mul
 from specdec.kernels.reference import store_kv_ref
 from specdec.models.llama import RMSNorm, TorchLayerOps
 from specdec.models.loader import build_model, init_random
 from specdec.models.rope import Rotary, apply_rotary
-from specdec.runner import ModelRunner, SeqInput
+from tests.helpers.op_sets import assert_switch_keeps_logits, new_runner, run_steps, tiny_config
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16: the kernels round where torch does, so only reduction order and exp/rsqrt differ (1 ulp).
@@ -98,33 +98,6 @@ def test_rope_store_rejects_mismatched_cache():
         rope_store(q, k, v, cos, sin, cache, cache, torch.tensor([0, 1]))
 
 
-def tiny_config(**kw):
-    base = dict(architecture="LlamaForCausalLM", vocab_size=61, hidden_size=64, intermediate_size=96,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=512)
-    return ModelConfig(**{**base, **kw})
-
-
-STEPS = [
-    [SeqInput("a", [1, 2, 3, 4, 5]), SeqInput("b", list(range(7, 18)), num_logits=3)],  # prefill
-    [SeqInput("a", [9]), SeqInput("b", [4])],                                          # decode
-    [SeqInput("a", [11, 12, 13, 14], num_logits=4), SeqInput("b", [6])],                # verify
-]
-
-
-def run_steps(runner):
-    for s in ("a", "b"):
-        runner.add_sequence(s)
-    return [torch.cat(runner.step(items)) for items in STEPS]
-
-
-def new_runner(model, dtype):
-    return ModelRunner(model, CacheConfig(num_blocks=32, block_size=4, dtype=dtype))
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 def test_cpu_models_keep_the_torch_path():
     assert isinstance(build_model(tiny_config(), torch.float32, "cpu").ops, TorchLayerOps)
 
@@ -149,13 +122,8 @@ def test_model_with_fused_ops_matches_torch_ops_on_cpu():
 def test_fused_logits_match_torch_ops_on_cuda(dtype, cfg):
     model = init_random(build_model(cfg, dtype, "cuda"), std=0.05)
     assert isinstance(model.ops, FusedLayerOps)  # the CUDA default
-    got = run_steps(new_runner(model, dtype))
-    model.set_fused_kernels(False)
-    want = run_steps(new_runner(model, dtype))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        assert rel_err(g, w) < tol, (dtype, rel_err(g, w))
+    assert_switch_keeps_logits(model, dtype, lambda m: m.set_fused_kernels(False), tol)
 
 
 @pytest.mark.gpu
@@ -165,9 +133,5 @@ def test_fused_graphed_decode_matches_eager_torch_ops():
     model = init_random(build_model(cfg, torch.bfloat16, "cuda"), std=0.05)
     runner = new_runner(model, torch.bfloat16)
     runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
-    got = run_steps(runner)
+    assert_switch_keeps_logits(model, torch.bfloat16, lambda m: m.set_fused_kernels(False), 2e-2, runner)
     assert runner.graphs.replays > 0
-    model.set_fused_kernels(False)
-    want = run_steps(new_runner(model, torch.bfloat16))
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < 2e-2

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from specdec.kernels.gemv import MAX_M, GemvConfig, GemvOps, default_config, gemv, linear
 from specdec.models.llama import TorchLayerOps
 from specdec.models.loader import build_model, init_random
-from tests.unit.test_fused_kernels import new_runner, rel_err, run_steps, tiny_config
+from tests.helpers.op_sets import assert_switch_keeps_logits, new_runner, run_steps, tiny_config
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # Relative (Frobenius) error against float64: fp32 is reduction order only; bf16 adds the one
@@ -135,13 +135,8 @@ def test_gemv_llama7b_shapes_on_cuda(m, shape, split):
 def test_gemv_logits_match_cublas_on_cuda(dtype, fused):
     cfg = tiny_config(hidden_size=256, intermediate_size=688, num_heads=8, num_kv_heads=8, head_dim=32)
     model = init_random(build_model(cfg, dtype, "cuda", fused_kernels=fused, gemv_kernels=True), std=0.05)
-    got = run_steps(new_runner(model, dtype))
-    model.set_gemv_kernels(False)
-    want = run_steps(new_runner(model, dtype))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        assert rel_err(g, w) < tol, (dtype, rel_err(g, w))
+    assert_switch_keeps_logits(model, dtype, lambda m: m.set_gemv_kernels(False), tol)
 
 
 @pytest.mark.gpu
@@ -149,9 +144,5 @@ def test_gemv_graphed_decode_matches_eager_cublas():
     model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda", gemv_kernels=True), std=0.05)
     runner = new_runner(model, torch.bfloat16)
     runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
-    got = run_steps(runner)
+    assert_switch_keeps_logits(model, torch.bfloat16, lambda m: m.set_gemv_kernels(False), 2e-2, runner)
     assert runner.graphs.replays > 0
-    model.set_gemv_kernels(False)
-    want = run_steps(new_runner(model, torch.bfloat16))
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < 2e-2
