@@ -8,8 +8,9 @@ bf16 layer (RMSNorm alone is 8, RoPE of q and k 10); with these, 10 (4 GEMMs, 2 
 - add_rmsnorm: residual + x and the RMSNorm of the sum in one pass (both outputs written);
 - rope_store: RoPE of q and k, with k and v written straight into their paged KV slots;
 - silu_mul: SiLU(gate) * up read from the fused gate_up projection.
-Each rounds to the model dtype wherever the torch (and Hugging Face) path does, so in bf16 they
-agree with it to the last bit except for reduction order and exp/rsqrt approximations.
+add_rmsnorm and silu_mul round to the model dtype wherever the torch (and Hugging Face) path does,
+so in bf16 they agree with it except for reduction order and exp/rsqrt approximations; rope_store
+rounds once per output (half an ulp of the exact rotation, where torch's path is within one).
 """
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def _add_rmsnorm_kernel(X, R, W, Out, ResOut, n_cols, eps,
 
 @triton.jit
 def _rotate_half(x1, x2, c, s, DTYPE: tl.constexpr):
-    """(x1, x2) halves -> (x1 c - x2 s, x2 c + x1 s), each product and sum rounded to DTYPE as the
-    torch path's x * cos + rotate_half(x) * sin rounds them."""
-    a1 = (x1 * c).to(DTYPE).to(tl.float32)
-    b1 = (x2 * s).to(DTYPE).to(tl.float32)
-    a2 = (x2 * c).to(DTYPE).to(tl.float32)
-    b2 = (x1 * s).to(DTYPE).to(tl.float32)
-    return (a1 - b1).to(DTYPE), (a2 + b2).to(DTYPE)
+    """(x1, x2) halves -> (x1 c - x2 s, x2 c + x1 s) in fp32, rounded to DTYPE once. The torch path
+    (x * cos + rotate_half(x) * sin) rounds each product to the dtype as well; where the two products
+    cancel, that extra rounding moves its result by up to 1 ulp from the exact value, this one by at
+    most half an ulp (plus fp32's). A version that rounded the products like torch still differed
+    from torch in 10-13% of bf16 elements on the H200 (cause not pinned down), so exact agreement
+    was not to be had; the test holds this one to 1 ulp of a float64 reference instead."""
+    return (x1 * c - x2 * s).to(DTYPE), (x2 * c + x1 * s).to(DTYPE)
 
 
 @triton.jit
