@@ -1,9 +1,10 @@
 """The cost coefficient c = t_draft(b, 1 token) / t_target(b, 1 token) (Leviathan et al. 2023, Def. 3.7)
 for three public draft shapes against the Llama-7B shape, as our runner measures it (the graphed
 single-token forward a server times) with the fused layer kernels and with the torch layer ops,
-beside the weight-bytes ratio and transformers eager.
+beside the weight-bytes ratio and transformers eager. --gemv adds c with the Triton GEMV kernels
+(kernels/gemv.py) for the linear layers of both models.
 
-    python3 bench/cost_coefficient.py [--batches 1 8 32] [--no-torch-ops] [--no-hf]
+    python3 bench/cost_coefficient.py [--batches 1 8 32] [--no-torch-ops] [--no-hf] [--gemv]
 
 Writes bench/results/cost_coefficient.json.
 """
@@ -44,14 +45,21 @@ def _graphed_forward_ms(model, batches: list[int]) -> dict[int, float]:
     return times
 
 
-def ours_forward_ms(shape: str, batches: list[int], torch_ops: bool) -> tuple[dict, dict | None, int, str | None]:
-    """(ms per batch with the fused kernels, the same on the torch ops or None, weight bytes, error).
-    If the fused kernels fail, the error is returned and the first dict holds the torch-ops times."""
-    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda", fused_kernels=True))
+def ours_forward_ms(shape: str, batches: list[int], torch_ops: bool,
+                    gemv: bool = False) -> tuple[dict, dict | None, dict | None, int, str | None]:
+    """(ms per batch with the fused kernels, the same on the torch ops or None, with the fused and
+    GEMV kernels or None, weight bytes, error). If the fused kernels fail, the error is returned and
+    the first dict holds the torch-ops times."""
+    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda", fused_kernels=True,
+                                    gemv_kernels=False))  # cuBLAS first; --gemv adds the server default
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    error = None
+    error, with_gemv = None, None
     try:
         fused = _graphed_forward_ms(model, batches)
+        if gemv:
+            model.set_gemv_kernels(True)
+            with_gemv = _graphed_forward_ms(model, batches)
+            model.set_gemv_kernels(False)
     except Exception as exc:  # keep the run useful: say why, then measure the torch ops
         traceback.print_exc()
         error = f"{type(exc).__name__}: {exc}"[:500]
@@ -59,7 +67,7 @@ def ours_forward_ms(shape: str, batches: list[int], torch_ops: bool) -> tuple[di
     unfused = _graphed_forward_ms(model, batches) if torch_ops or error else None
     del model
     torch.cuda.empty_cache()
-    return (unfused if error else fused), (unfused if torch_ops else None), weight_bytes, error
+    return (unfused if error else fused), (unfused if torch_ops else None), with_gemv, weight_bytes, error
 
 
 def hf_forward_ms(shape: str, batches: list[int]) -> dict[int, float]:
@@ -93,17 +101,21 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-torch-ops", action="store_true", help="skip the unfused comparison")
+    ap.add_argument("--gemv", action="store_true", help="also time both models on the GEMV kernels")
     args = ap.parse_args()
     env = environment()
-    ours, sizes, hf, unfused, errors = {}, {}, {}, {}, {}
+    ours, sizes, hf, unfused, gemv, errors = {}, {}, {}, {}, {}, {}
     for shape in (TARGET, *DRAFTS):
-        ours[shape], torch_ops_ms, sizes[shape], error = ours_forward_ms(shape, args.batches,
-                                                                          not args.no_torch_ops)
+        ours[shape], torch_ops_ms, gemv_ms, sizes[shape], error = ours_forward_ms(
+            shape, args.batches, not args.no_torch_ops, args.gemv)
         if error:
             errors[shape] = error
         if torch_ops_ms:
             unfused[shape] = torch_ops_ms
-        print(f"ours {shape}: {ours[shape]} (torch ops: {torch_ops_ms}, fused error: {error})", flush=True)
+        if gemv_ms:
+            gemv[shape] = gemv_ms
+        print(f"ours {shape}: {ours[shape]} (torch ops: {torch_ops_ms}, gemv: {gemv_ms}, "
+              f"fused error: {error})", flush=True)
         if not args.no_hf:
             try:
                 hf[shape] = hf_forward_ms(shape, args.batches)
@@ -118,19 +130,23 @@ def main() -> int:
             if shape in unfused and TARGET in unfused:
                 r["draft_ms_torch_ops"], r["target_ms_torch_ops"] = unfused[shape][b], unfused[TARGET][b]
                 r["c_torch_ops"] = unfused[shape][b] / unfused[TARGET][b]
+            if shape in gemv and TARGET in gemv:
+                r["draft_ms_gemv"], r["target_ms_gemv"] = gemv[shape][b], gemv[TARGET][b]
+                r["c_gemv"] = gemv[shape][b] / gemv[TARGET][b]
             if b in hf.get(shape, {}) and b in hf.get(TARGET, {}):
                 r["hf_draft_ms"], r["hf_target_ms"] = hf[shape][b], hf[TARGET][b]
                 r["hf_c"] = hf[shape][b] / hf[TARGET][b]
             rows.append(r)
     result = {"benchmark": "cost_coefficient", "target": TARGET, "context": CONTEXT, "environment": env,
               "weight_bytes": sizes, "rows": rows, "transformers_eager_ms": hf, "torch_ops_ms": unfused,
-              "fused_errors": errors}
+              "gemv_ms": gemv, "fused_errors": errors}
     path = write_result("cost_coefficient", result)
     print()
     print(table(rows, [("draft", "draft", "s"), ("batch", "batch", "d"), ("draft_ms", "draft ms", ".3f"),
                        ("target_ms", "target ms", ".3f"), ("c", "c (ours)", ".3f"),
                        ("draft_ms_torch_ops", "draft ms torch ops", ".3f"), ("c_torch_ops", "c torch ops", ".3f"),
-                       ("weight_ratio", "weight ratio", ".3f"), ("hf_c", "c (HF eager)", ".2f")]))
+                       ("draft_ms_gemv", "draft ms gemv", ".3f"), ("target_ms_gemv", "target ms gemv", ".3f"),
+                       ("c_gemv", "c gemv", ".3f"), ("weight_ratio", "weight ratio", ".3f"), ("hf_c", "c (HF eager)", ".2f")]))
     print(f"wrote {path}")
     return 0
 

@@ -114,7 +114,7 @@ def main() -> int:
     env = environment()
     bw = copy_bandwidth()
     cfg = model_config(args.shape)
-    model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
+    model = init_random(build_model(cfg, torch.bfloat16, "cuda", gemv_kernels=False))  # --gemv: the default
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_ms = 1e3 * weight_bytes / bw
     rows = []

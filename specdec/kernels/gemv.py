@@ -124,20 +124,22 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """~8 KB of W per program per K step (4 warps: 32 elements each thread); BLOCK_N as large as still
-    gives 4 programs per SM, split-K only where the smallest BLOCK_N leaves SMs without a program
-    (for Llama-7B at tensor-parallel size 1 that never happens: N >= 4096)."""
+    """The winners of the H200 sweep in bench/results/gemv.json (Llama-7B projections; differences
+    under ~1 us were taken as noise). M = 1: [8, 512] W tiles (8 KB of bf16 per K step), 8 warps where
+    N <= 4096 leaves few programs per SM to hide latency with. M > 1: [16, 32, 128] tl.dot tiles, 5
+    stages of cp.async except for the widest N (gate_up, the LM head), where 3 won. Split-K where
+    the N tiles alone leave SMs idle (Llama-7B's down projection at M > 1; small draft models)."""
     if m == 1:
-        choices, tile = (16, 8, 4), 4096
+        block_n, block_k, warps, stages = 8, 512, 8 if n <= 4096 else 4, 3
     else:
-        choices, tile = (32, 16), 16 * 256                                  # [16, 256] W tile per stage
-    block_n = next((b for b in choices if triton.cdiv(n, b) >= 4 * num_sms), choices[-1])
-    block_k = min(tile // block_n, max(16, triton.next_power_of_2(k)))
+        block_n, block_k, warps, stages = 32, 128, 4, 5 if n <= 16384 else 3
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n)
     split = 1
     if tiles < num_sms:
-        split = min(triton.cdiv(2 * num_sms, tiles), max(1, k // block_k), 16)
-    return GemvConfig(block_m=1 if m == 1 else 16, block_n=block_n, block_k=block_k, split_k=split)
+        split = max(1, min(triton.cdiv(num_sms, tiles), k // block_k, 16))
+    return GemvConfig(block_m=1 if m == 1 else 16, block_n=block_n, block_k=block_k, split_k=split,
+                      num_warps=warps, num_stages=stages)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

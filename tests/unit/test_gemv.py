@@ -75,10 +75,16 @@ def test_default_config_splits_k_only_where_n_cannot_fill_the_sms():
     for m in (1, 4, 8):
         for n, k in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]:
             cfg = default_config(m, n, k, 132)
-            assert cfg.split_k == 1 and -(-n // cfg.block_n) >= 132, (m, n, k, cfg)
+            tiles = -(-n // cfg.block_n)
             assert cfg.block_m == (1 if m == 1 else 16)
+            if tiles >= 132:
+                assert cfg.split_k == 1, (m, n, k, cfg)
+            else:  # 4096 / 32 = 128 tiles at M > 1: split in two
+                assert tiles * cfg.split_k >= 132 and cfg.split_k <= k // cfg.block_k, (m, n, k, cfg)
+        assert default_config(m, 32000, 4096, 132).split_k == 1
     small = default_config(1, 256, 4096, 132)  # e.g. a tensor-parallel shard of a small model
     assert small.split_k > 1 and -(-256 // small.block_n) * small.split_k >= 132
+    assert default_config(1, 256, 512, 132).split_k == 1  # K holds one block: nothing to split
 
 
 def test_linear_dispatch():
@@ -91,7 +97,7 @@ def test_linear_dispatch():
     assert torch.equal(linear(big, w, on_cpu=True), F.linear(big, w))
 
 
-def test_gemv_is_off_by_default_and_composes_with_the_layer_ops():
+def test_gemv_is_off_on_the_cpu_by_default_and_composes_with_the_layer_ops():
     model = build_model(tiny_config(), torch.float32, "cpu")
     assert not model.gemv_kernels and isinstance(model.ops, TorchLayerOps)
     model.set_gemv_kernels(True)
@@ -141,7 +147,8 @@ def test_gemv_logits_match_cublas_on_cuda(dtype, fused):
 
 @pytest.mark.gpu
 def test_gemv_graphed_decode_matches_eager_cublas():
-    model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda", gemv_kernels=True), std=0.05)
+    model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda"), std=0.05)
+    assert model.gemv_kernels and isinstance(model.ops, GemvOps)  # the CUDA default
     runner = new_runner(model, torch.bfloat16)
     runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
     assert_switch_keeps_logits(model, torch.bfloat16, lambda m: m.set_gemv_kernels(False), 2e-2, runner)
