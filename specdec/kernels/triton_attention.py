@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MIN_KEYS_PER_SPLIT = 256   # below this a split's reads no longer pay for its partial write + merge
+MIN_KEYS_PER_SPLIT = 128   # below this a split's reads no longer pay for its partial write + merge
+# (H200, B=1 ctx 1024 q 8, 32 heads: 8 splits of 128 keys 18.4 us, 4 of 256 22.5 us)
 MAX_SPLITS = 64
 
 
