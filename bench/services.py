@@ -168,10 +168,12 @@ def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 # --- prompts -------------------------------------------------------------------------------------
 def code_prompts(n: int, min_chars: int, max_chars: int, seed: int = 0) -> list[str]:
-    """Windows of this repository's Python source, starting at line starts: the demo pair is a
-    Python-code model, and these files were not in its training corpus."""
-    files = sorted(p for d in ("specdec", "coordinator", "bench") for p in (ROOT / d).rglob("*.py"))
-    texts = [t for t in (p.read_text() for p in files) if len(t) > 2 * max_chars]
+    """Windows of this repository's Python source, starting at line starts, drawn from the frozen
+    snapshot bench/data/code_windows.json (so that editing the repository does not change the
+    prompts, and with them the acceptance, between runs): the demo pair is a Python-code model,
+    and these files were not in its training corpus."""
+    windows = json.loads((ROOT / "bench" / "data" / "code_windows.json").read_text())["windows"]
+    texts = [w["text"] for w in windows if len(w["text"]) >= max_chars]
     starts = [[0] + [i + 1 for i, ch in enumerate(t) if ch == "\n" and i + max_chars < len(t)]
               for t in texts]
     rng = random.Random(seed)
