@@ -3,11 +3,12 @@
     python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static] [--gemv]
 
 For each batch size: the device time of one graphed decode forward (graph replay) with the fused
-layer kernels and, for comparison, with the torch layer ops; the tokens/s of a full greedy loop
+layer kernels on cuBLAS linears and, for comparison, with the torch layer ops; the tokens/s of a full greedy loop
 through ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
 (weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
 weights. --gemv adds the replay time with the Triton GEMV (kernels/gemv.py) for the projections and
-LM head, same weights, same run (batches above 16 tokens fall back to cuBLAS). --hf-static adds
+LM head, what the servers run on CUDA by default; same weights, same run (batches above 16 tokens
+fall back to cuBLAS). --hf-static adds
 transformers' static cache, which torch.compiles on first use: its warm-up runs the same
 max_new_tokens so compilation stays outside the timing, and it can take minutes.
 Writes bench/results/decode.json after our rows, then again after each comparison, so a comparison
@@ -107,7 +108,7 @@ def main() -> int:
     ap.add_argument("--hf-static", action="store_true",
                     help="also time transformers with a static cache (torch.compile: slow to start)")
     ap.add_argument("--gemv", action="store_true",
-                    help="also the replay time with the GEMV kernels for the linear layers (off by default)")
+                    help="also the replay time with the GEMV kernels for the linear layers (the CUDA default)")
     ap.add_argument("--no-torch-ops", action="store_true",
                     help="skip the replay time of the same model on the torch layer ops")
     args = ap.parse_args()

@@ -13,7 +13,7 @@ At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32
 Accumulation is fp32 for every input dtype, rounded once to the output dtype with the bias added, as
 cuBLAS does, so bf16 results agree with F.linear up to reduction order.
 
-The GPU path of the model uses it through GemvOps (chosen at build, off by default); `gemv` itself
+The GPU path of the model uses it through GemvOps (chosen at build, on by default on CUDA); `gemv` itself
 runs anywhere Triton does (the CPU under TRITON_INTERPRET=1, which the unit tests use).
 """
 from __future__ import annotations
