@@ -10,9 +10,11 @@ Sections, in this order (one not started when the deadline would pass is recorde
   demo-1gpu  demo pair (models/target, models/draft; real acceptance), both on cuda:0
   hf-demo    transformers generate on the demo pair, plain and assisted, batch 1
   7b         Llama-7B shape with the llama-68m, llama-160m and tinyllama-1.1b shapes as drafts,
-             batch 1, one GPU; random weights (servers' --random-weights: no checkpoint on disk),
-             so acceptance is whatever random models agree on; the target server stays up while
-             the drafts change
+             batch 1, one GPU; random weights (servers' --random-weights: no checkpoint on disk)
+             built to agree (--random-agreement: the target 1, each draft --agreement, default
+             0.8; specdec/models/synthetic.py), so speculation has a real acceptance to work
+             with; --agreement -1 gives plain random weights (acceptance ~0); the target server
+             stays up while the drafts change
   demo-2gpu  demo pair with the target on cuda:0 and the draft on cuda:1 (two GPUs only)
   hf-7b      transformers generate on the 7B shapes (its own random init), batch 1
 
@@ -133,14 +135,15 @@ def _f(x, spec: str = ".0f") -> str:
 
 def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]], target_dev: str,
                 draft_dev: str, gpus: int, batches, prompts, log_root: Path, clock: Clock,
-                extra_args: list[str] = ()) -> list[dict]:
+                target_args: list[str] = (), draft_args: list[str] = ()) -> list[dict]:
     """Starts the target (and the first draft alongside it) once; each draft gets its own server
     and coordinator in turn."""
     rows, procs = [], []
-    args = server_args(a) + list(extra_args)
+    args = server_args(a)
     log_root.mkdir(parents=True, exist_ok=True)
     try:
-        target = spawn_server("target", target_path, log_root, device=target_dev, args=args)
+        target = spawn_server("target", target_path, log_root, device=target_dev,
+                              args=args + list(target_args))
         procs.append(target)
         draft = None
         for i, (dlabel, dpath) in enumerate(drafts):
@@ -152,7 +155,7 @@ def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]]
                 stop_all([draft])
             log_dir = log_root / f"draft{i}"
             log_dir.mkdir(parents=True, exist_ok=True)
-            draft = spawn_server("draft", dpath, log_dir, device=draft_dev, args=args)
+            draft = spawn_server("draft", dpath, log_dir, device=draft_dev, args=args + list(draft_args))
             procs.append(draft)
             for proc in (target, draft):
                 wait_healthy(proc, a.startup_timeout)
@@ -235,6 +238,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run")
     p.add_argument("--batches", type=int, nargs="+", help="concurrent clients (default 1 8; smoke 1 2)")
     p.add_argument("--batches-7b", type=int, nargs="+", default=[1])
+    p.add_argument("--agreement", type=float, default=0.8,
+                   help="the 7B pairs' random drafts agree with the target's greedy choice on this "
+                        "fraction of the vocabulary (-1: plain random weights)")
     p.add_argument("--new-tokens", type=int, help="tokens per request (default 64; smoke 16)")
     p.add_argument("--waves", type=int, default=3, help="requests per client and measurement")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
@@ -295,8 +301,10 @@ def main(argv=None) -> int:
         hf_rows += hf_generate(DEMO_TARGET, [("", DEMO_DRAFT)], "demo", dev0, dtype, prompts[:a.waves], a)
     if section("7b"):
         tdir, drafts = seven_b()
+        random = ["--random-weights"]
+        agree = (lambda x: ["--random-agreement", str(x)]) if a.agreement >= 0 else (lambda x: [])
         rows += serve_pairs(a, seven_label, tdir, drafts, dev0, dev0, min(gpus, 1), a.batches_7b,
-                            prompts, work / "logs" / "7b", clock, ["--random-weights"])
+                            prompts, work / "logs" / "7b", clock, random + agree(1), random + agree(a.agreement))
     if "demo-2gpu" in a.sections and gpus < 2:
         skipped.append("demo-2gpu (one GPU)")
     elif section("demo-2gpu"):
@@ -314,6 +322,7 @@ def main(argv=None) -> int:
               "settings": {"new_tokens": a.new_tokens, "gamma": a.gamma, "waves": a.waves,
                            "batches": a.batches, "batches_7b": a.batches_7b, "smoke": a.smoke,
                            "quick": a.quick, "deadline_s": a.deadline, "sampling": "greedy",
+                           "random_agreement_7b": a.agreement if a.agreement >= 0 else None,
                            "dtype": str(dtype).removeprefix("torch.")},
               "rows": rows, "hf": hf_rows, "skipped": skipped,
               "elapsed_s": a.deadline - clock.left(), "work_dir": str(work)}

@@ -191,6 +191,9 @@ class EngineConfig:
     graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)
+    # with random_weights: weights whose greedy next token agrees with a shared reference map on this
+    # fraction of the vocabulary (models/synthetic.py; the target 1.0, a draft its α); None: plain
+    random_agreement: float | None = None
 
     def __post_init__(self) -> None:
         if not self.device.startswith(("cpu", "cuda")):
@@ -211,6 +214,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if self.random_agreement is not None:
+            if not self.random_weights:
+                raise ConfigError("random_agreement needs random_weights")
+            if not 0.0 <= self.random_agreement <= 1.0:
+                raise ConfigError(f"random_agreement must be in [0, 1], got {self.random_agreement}")
         CacheConfig(num_blocks=1, block_size=self.block_size)  # block_size check
 
     def default_kv_memory(self, free_device_bytes: int | None) -> int:

@@ -18,6 +18,7 @@ import torch
 from specdec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from specdec.kv_cache import KVCache
 from specdec.models.loader import build_model, init_random, load_model
+from specdec.models.synthetic import init_agreeing
 from specdec.runner import ModelRunner, SeqInput
 from specdec.tokenizer_info import tokenizer_fingerprint
 from specdec.engine.timing import DecodeProfile, ForwardClock
@@ -53,7 +54,11 @@ class ModelEngine:
             torch.cuda.set_device(self.device)
         if config.random_weights:  # benchmarks of a shape: no checkpoint to write, read or load
             self.model_config = ModelConfig.from_path(config.model)
-            model = init_random(build_model(self.model_config, config.dtype, self.device))
+            model = build_model(self.model_config, config.dtype, self.device)
+            if config.random_agreement is None:
+                init_random(model)
+            else:
+                init_agreeing(model, config.random_agreement)
         else:
             model, self.model_config = load_model(config.model, config.dtype, self.device)
         mc = self.model_config

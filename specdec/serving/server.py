@@ -98,6 +98,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true",
                    help="random weights of the shape in the model folder's config.json (benchmarks: "
                         "no checkpoint needed)")
+    p.add_argument("--random-agreement", type=float, metavar="A",
+                   help="with --random-weights: weights whose greedy next token agrees with a shared "
+                        "reference on a fraction A of the vocabulary (give the target 1 and the draft "
+                        "the acceptance to benchmark at; specdec/models/synthetic.py)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly on cuda (default: graphs for decode/verify steps)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
@@ -130,7 +134,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             graph_query_lens=(_ints(a.graph_query_lens, "--graph-query-lens")
                               if a.graph_query_lens else None),
             graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),
-            random_weights=a.random_weights)
+            random_weights=a.random_weights, random_agreement=a.random_agreement)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads)
     except ValueError as e:
