@@ -12,7 +12,7 @@ from specdec.config import CacheConfig
 from specdec.kernels.reference import TorchAttention
 from specdec.kv_cache import KVCache
 from specdec.models.llama import LlamaModel
-from specdec.staging import as_device_tensor
+from specdec.staging import pack_to_device
 
 
 @dataclass(frozen=True)
@@ -105,20 +105,20 @@ class ModelRunner:
             ctx_lens.append(start + n)
             tables.append(self.blocks.block_table(item.seq_id))
         width = max(len(t) for t in tables)
-        table = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-
-        def as_tensor(x, dtype):
-            # Pinned staging on CUDA: the copies queue behind the previous step's kernels instead
-            # of waiting for them. Separate tensors, not views of one packed buffer: Triton
-            # specialises on pointer alignment, so sliced offsets would compile extra variants.
-            return as_device_tensor(x, dtype, dev)
-
+        table = []  # [B, width] row-major, padded with 0
+        for t in tables:
+            table += t
+            table += [0] * (width - len(t))
+        # One packed host-to-device copy for all seven (pinned on CUDA: it queues behind the previous
+        # step's kernels instead of waiting for them; staging.pack_to_device keeps each view aligned
+        # as a separate allocation would be, so Triton compiles no extra variants).
+        ids_t, pos_t, slots_t, starts_t, ctx_t, table_t, rows_t = pack_to_device(
+            [(ids, torch.int64), (positions, torch.int64), (slots, torch.int64), (starts, torch.int32),
+             (ctx_lens, torch.int32), (table, torch.int32),
+             (logit_rows, torch.int64)], self.device)
         return ForwardBatch(
-            input_ids=as_tensor(ids, torch.int64), positions=as_tensor(positions, torch.int64),
-            slot_mapping=as_tensor(slots, torch.int64), query_start_loc=as_tensor(starts, torch.int32),
-            context_lens=as_tensor(ctx_lens, torch.int32), block_tables=as_tensor(table, torch.int32),
-            logits_indices=as_tensor(logit_rows, torch.int64),
+            input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, query_start_loc=starts_t,
+            context_lens=ctx_t, block_tables=table_t.view(len(items), width), logits_indices=rows_t,
             query_lens_host=[len(i.token_ids) for i in items], context_lens_host=ctx_lens)
 
     @torch.inference_mode()

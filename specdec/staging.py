@@ -12,9 +12,15 @@ Pinning needs CUDA (pin_memory fails on CPU-only machines), so only the CUDA pat
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
+
+# Segment offsets in a packed buffer: 16 bytes, the alignment Triton specialises pointer arguments
+# on, so a view at such an offset compiles to the same kernel variant as a separate allocation.
+PACK_ALIGN = 16
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -29,3 +35,22 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def as_device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.tensor(values, dtype=dtype) on `device`, staged as to_device does."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def pack_to_device(arrays: Sequence[tuple[Sequence[int], torch.dtype]],
+                   device: torch.device | str) -> list[torch.Tensor]:
+    """Integer arrays (int64 or int32) on `device` through one host-to-device copy instead of one
+    per array: packed into one host buffer, each at a PACK_ALIGN-byte offset, staged as to_device
+    does, and returned as 1-D views of the copy in the given order. (A step's index tensors are
+    seven small arrays: on the GPU each separate copy is a pin and a cudaMemcpyAsync of host time.)"""
+    buf, spans = bytearray(), []
+    for values, dtype in arrays:
+        if dtype not in _TYPECODES:
+            raise ValueError(f"pack_to_device: {dtype} is not one of {list(_TYPECODES)}")
+        spans.append((len(buf), len(values), dtype))
+        buf += array(_TYPECODES[dtype], values).tobytes()
+        buf += bytes(-len(buf) % PACK_ALIGN)
+    if not buf:
+        return [torch.empty(0, dtype=dtype, device=device) for _, _, dtype in spans]
+    packed = to_device(torch.frombuffer(buf, dtype=torch.uint8), device)
+    return [packed[off:off + n * dtype.itemsize].view(dtype) for off, n, dtype in spans]

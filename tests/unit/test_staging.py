@@ -1,0 +1,63 @@
+"""Host-to-device staging (specdec/staging.py): the packed copy a step's index tensors take, and the
+runner's batches built on it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.staging import PACK_ALIGN, pack_to_device
+from tests.helpers.op_sets import STEPS, new_runner, tiny_config
+from specdec.models.loader import build_model, init_random
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_round_trips_values_dtypes_and_alignment(device):
+    arrays = [([1, -2, 2**40], torch.int64), ([7], torch.int32), ([], torch.int64),
+              ([3, 4, 5, 6, 7], torch.int32), ([-(2**31), 2**31 - 1], torch.int32), ([9], torch.int64)]
+    out = pack_to_device(arrays, device)
+    assert len(out) == len(arrays)
+    base = out[0].data_ptr()
+    for t, (values, dtype) in zip(out, arrays):
+        assert t.device.type == device and t.dtype == dtype and t.dim() == 1
+        assert t.tolist() == values
+        assert (t.data_ptr() - base) % PACK_ALIGN == 0      # every view where an allocation would start
+    if device == "cuda":
+        assert all(t.data_ptr() % PACK_ALIGN == 0 for t in out)
+
+
+def test_pack_rejects_other_dtypes_and_handles_nothing():
+    with pytest.raises(ValueError, match="float32"):
+        pack_to_device([([1.0], torch.float32)], "cpu")
+    empty = pack_to_device([([], torch.int64), ([], torch.int32)], "cpu")
+    assert [t.numel() for t in empty] == [0, 0] and [t.dtype for t in empty] == [torch.int64, torch.int32]
+
+
+@pytest.mark.gpu
+def test_pack_is_one_copy_without_a_host_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = pack_to_device([(list(range(100)), torch.int64), (list(range(33)), torch.int32)], "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()
+    assert out[1].tolist() == list(range(33))
+
+
+def test_runner_batches_are_views_of_one_buffer_with_the_right_contents():
+    runner = new_runner(init_random(build_model(tiny_config(), torch.float32, "cpu")), torch.float32)
+    for s in ("a", "b"):
+        runner.add_sequence(s)
+    batch = runner.prepare(STEPS[0])        # "a": 5 prompt tokens, "b": 11 tokens, 3 logits
+    tensors = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
+               batch.context_lens, batch.block_tables, batch.logits_indices]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5] + list(range(7, 18))
+    assert batch.positions.tolist() == list(range(5)) + list(range(11))
+    assert batch.query_start_loc.tolist() == [0, 5, 16] and batch.context_lens.tolist() == [5, 11]
+    assert batch.logits_indices.tolist() == [4, 13, 14, 15]
+    assert batch.block_tables.shape == (2, 3) and batch.block_tables[0, 2].item() == 0  # padded row
+    assert batch.slot_mapping.tolist() == [
+        runner.blocks.block_table(s)[i // 4] * 4 + i % 4 for s, n in (("a", 5), ("b", 11)) for i in range(n)]
