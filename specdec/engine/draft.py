@@ -117,7 +117,11 @@ class DraftEngine(ModelEngine):
         once, when they are copied out at the end, not once per position."""
         active = [i for i, p in enumerate(plans) if p.seq.num_draft]
         params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
-        rows = list(range(len(active)))  # rows of `params` still drafting
+        rows = list(range(len(active)))  # rows of the first position still drafting
+        # The drafting rows' sampling parameters and positions live on the device and are narrowed
+        # there when sequences finish: a step's only host-to-device copies are its batches' index
+        # tensors (one each) and, where a sequence drops out, the index of the rows kept.
+        positions = as_device_tensor([len(plans[i].tokens) for i in active], torch.int64, self.device)
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
@@ -131,13 +135,15 @@ class DraftEngine(ModelEngine):
                 logits = self.runner.forward(batch)                             # [len(rows), V]
             if not rows:
                 break
-            sub = params if len(rows) == len(active) else params.index(self._to_device(rows))
-            positions = self._to_device([len(plans[active[r]].tokens) + step for r in rows])
-            tokens, q = draft_sample(logits, sub, positions, self.config.probs_dtype)
+            tokens, q = draft_sample(logits, params, positions + step, self.config.probs_dtype)
             steps.append((rows, tokens, q))
             step += 1
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
-            fed = tokens if len(keep) == len(rows) else tokens.index_select(0, self._to_device(keep))
+            fed = tokens
+            if len(keep) < len(rows):
+                kept = as_device_tensor(keep, torch.int64, self.device)
+                fed = tokens.index_select(0, kept)
+                positions, params = positions.index_select(0, kept), params.index(kept)
             rows = [rows[j] for j in keep]
             items = [SeqInput(plans[active[r]].seq.seq_id, [0]) for r in rows]
         drafted: list[list[int]] = [[] for _ in plans]
@@ -153,11 +159,6 @@ class DraftEngine(ModelEngine):
         flat = [row for rows_i in qs for row in rows_i]
         parts = torch.stack(flat).cpu().split([len(q) for q in qs]) if flat else [None] * len(qs)
         return drafted, [part if q else None for q, part in zip(qs, parts)]
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        # A plain .to(cuda) of a host tensor waits for the stream, a sync per position; pinned
-        # staging queues the copy behind the running forward.
-        return as_device_tensor(values, torch.int64, self.device)
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:
         # Forwards after the first feed exactly one token per sequence: live single-token samples.
