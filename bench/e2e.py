@@ -22,7 +22,9 @@ Per row: tokens/s with speculation (fixed γ) and without (speculation off: plai
 the same Verify path), acceptance = accepted/drafted, τ = 1 + accepted/steps, α solved from τ and γ
 (Leviathan's per-token acceptance), c from the servers' start-up decode profiles (graph replays on
 cuda), c_system from the coordinator's metrics when it exposes them, expected speedup τ/(γc + 1)
-against the measured one, and whether greedy speculative output equals greedy plain output.
+against the measured one, whether greedy speculative output equals greedy plain output, and the
+RPC + coordinator overhead per step (step wall time minus the servers' handling, from the
+coordinator's specdec_step_overhead_seconds) beside the step time.
 Writes bench/results/e2e.json (and $OUT/e2e.json).
 """
 from __future__ import annotations
@@ -90,9 +92,12 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
         for b in batches:
             ps = used[:b * a.waves]
             common = dict(max_new_tokens=a.new_tokens, ignore_eos=True, timeout=a.request_timeout)
+            m0 = coord.metrics()
             plain_recs, plain_wall = run_concurrent(coord.address, ps, b, speculate=False, **common)
+            m1 = coord.metrics()
             spec_recs, spec_wall = run_concurrent(coord.address, ps, b, speculate=True,
                                                   num_draft=a.gamma, **common)
+            m2 = coord.metrics()
             plain, spec = summarize(plain_recs, plain_wall), summarize(spec_recs, spec_wall)
             t_c, d_c = profile_at(tprof, b), profile_at(dprof, b)
             c = d_c / t_c if t_c and d_c else None
@@ -109,17 +114,33 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "expected": tau / (a.gamma * c + 1) if tau and c is not None else None,
                    "expected_system": tau / (a.gamma * c_sys + 1) if tau and c_sys is not None else None,
                    "greedy_equal": sum(same) / len(same) if same else None,
+                   # RPC + coordinator time per step (step wall minus the servers' handling), mean
+                   "overhead_ms_plain": _hist_mean_ms(m0, m1, "specdec_step_overhead_seconds", "plain"),
+                   "overhead_ms_spec": _hist_mean_ms(m1, m2, "specdec_step_overhead_seconds", "spec"),
+                   "step_ms_plain": _hist_mean_ms(m0, m1, "specdec_step_seconds", "plain"),
+                   "step_ms_spec": _hist_mean_ms(m1, m2, "specdec_step_seconds", "spec"),
                    "target_decode_ms": 1e3 * t_c if t_c else None,
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
                    "plain": plain, "spec": spec}
+            if row["overhead_ms_spec"] is not None and row["step_ms_spec"]:
+                row["overhead_frac_spec"] = row["overhead_ms_spec"] / row["step_ms_spec"]
             rows.append(row)
             print(f"{label} gpus={gpus} batch={b}: plain {_f(plain['tok_s'])} tok/s, spec "
                   f"{_f(spec['tok_s'])} tok/s, acceptance {_f(spec['acceptance'], '.3f')}, "
-                  f"c {_f(c, '.3f')}, errors {plain['errors'] + spec['errors']}"
+                  f"c {_f(c, '.3f')}, overhead/step {_f(row['overhead_ms_spec'], '.3f')} ms "
+                  f"(step {_f(row['step_ms_spec'], '.2f')} ms), errors {plain['errors'] + spec['errors']}"
                   + (f" ({plain['first_error'] or spec['first_error']})"
                      if plain['errors'] + spec['errors'] else ""), flush=True)
     return rows
+
+
+def _hist_mean_ms(before: dict, after: dict, name: str, mode: str) -> float | None:
+    """Mean of a coordinator histogram's observations between two scrapes, in ms."""
+    def total(samples, suffix):
+        return sum(v for labels, v in samples.get(name + suffix) or [] if labels.get("mode") == mode)
+    count = total(after, "_count") - total(before, "_count")
+    return 1e3 * (total(after, "_sum") - total(before, "_sum")) / count if count else None
 
 
 def _metric(samples: dict, name: str, batch: int) -> float | None:
@@ -335,6 +356,7 @@ def main(argv=None) -> int:
         ("expected_system", "expected (c_sys)", ".2f"), ("acceptance", "acc/drafted", ".3f"),
         ("alpha", "alpha", ".3f"), ("tau", "tau", ".2f"), ("c", "c", ".3f"),
         ("c_system", "c_sys", ".3f"), ("greedy_equal", "greedy ==", ".2f"),
+        ("overhead_ms_spec", "overhead ms/step", ".3f"), ("overhead_frac_spec", "of step", ".1%"),
         ("hf_plain_tok_s", "HF tok/s", ".0f"), ("hf_assisted_tok_s", "HF assisted tok/s", ".0f")]))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")

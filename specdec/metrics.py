@@ -58,6 +58,17 @@ def _g(name, help, *labels):
     return MetricSpec(name, "gauge", help, labels)
 
 
+def step_overhead(step_seconds: float, draft_timing: ServerTiming | None,
+                  target_timing: ServerTiming | None) -> float | None:
+    """A step's wall time minus the servers' handling time of its RPCs (Propose and Verify run one
+    after the other): what RPC transport and the coordinator add. None while the target's timing
+    is unknown (step_seconds 0: a server that does not report it)."""
+    if target_timing is None or not target_timing.step_seconds:
+        return None
+    served = target_timing.step_seconds + (draft_timing.step_seconds if draft_timing is not None else 0.0)
+    return max(step_seconds - served, 0.0)
+
+
 def _h(name, help, buckets, *labels):
     return MetricSpec(name, "histogram", help, labels, buckets)
 
@@ -90,6 +101,9 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _c("specdec_requests_total", "Finished Generate requests by gRPC status", "code"),
     _h("specdec_stage_seconds", "Wall time of one coordinator stage per step", FORWARD_BUCKETS, "stage"),
     _h("specdec_step_seconds", "Wall time of one batched step", FORWARD_BUCKETS, "mode"),
+    _h("specdec_step_overhead_seconds",
+       "Step wall time outside the servers' own handling of its RPCs: transport, serialisation and "
+       "the coordinator's scheduling and emit", FORWARD_BUCKETS, "mode"),
     _h("specdec_request_duration_seconds", "Generate request latency, arrival to last token",
        REQUEST_BUCKETS),
     _h("specdec_time_to_first_token_seconds", "Arrival to first emitted token", REQUEST_BUCKETS),
@@ -224,6 +238,7 @@ class CoordinatorMetrics(_ProcessMetrics):
             self._m["specdec_stage_seconds"].labels(stage=stage)
         for mode in ("spec", "plain"):
             self._m["specdec_step_seconds"].labels(mode=mode)
+            self._m["specdec_step_overhead_seconds"].labels(mode=mode)
         for code in STATUS_CODES:
             self._m["specdec_requests_total"].labels(code=code)
         self._m["specdec_expected_speedup"].labels(basis="model")
@@ -288,7 +303,11 @@ class CoordinatorMetrics(_ProcessMetrics):
         self._count_positions(drafted, accepted)
         for stage, seconds in stage_seconds.items():
             m["specdec_stage_seconds"].labels(stage=stage).observe(seconds)
-        m["specdec_step_seconds"].labels(mode="spec" if max(drafted) > 0 else "plain").observe(step_seconds)
+        mode = "spec" if max(drafted) > 0 else "plain"
+        m["specdec_step_seconds"].labels(mode=mode).observe(step_seconds)
+        overhead = step_overhead(step_seconds, draft_timing, target_timing)
+        if overhead is not None:
+            m["specdec_step_overhead_seconds"].labels(mode=mode).observe(overhead)
         self._set_buckets()
         window = self.stats.window()
         self._set_window(window)

@@ -93,6 +93,11 @@ PANELS = [
         (quantile(0.9, "specdec_stage_seconds", "stage"), "{{stage}}"),
         (quantile(0.9, "specdec_step_seconds", "mode"), "whole step ({{mode}})")],
      "Where a step's wall time goes: schedule, propose, verify, emit."),
+    ("Step overhead: RPC and coordinator", "s", "timeseries", [
+        (quantile(0.5, "specdec_step_overhead_seconds", "mode"), "p50 {{mode}}"),
+        (quantile(0.9, "specdec_step_overhead_seconds", "mode"), "p90 {{mode}}")],
+     "Step wall time minus the servers' handling of its Propose and Verify: what transport and the "
+     "coordinator add to every step (the performance goal: <= 5% of a Llama-7B target step)."),
     ("RPC time p90", "s", "timeseries", [
         (quantile(0.9, "specdec_rpc_seconds", "role, rpc"), "{{role}} {{rpc}}")],
      "Coordinator round trips against the servers' own handling time of the same RPCs."),

@@ -229,6 +229,21 @@ def test_coordinator_metrics_gauges_and_counters():
         cm.observe_step([1], [1], step_seconds=0.1, stage_seconds={"draft": 0.1})
 
 
+def test_step_overhead_is_step_time_outside_the_servers():
+    reg = CollectorRegistry()
+    cm = CoordinatorMetrics(reg, buckets=(1, 2, 4))
+    assert value(scrape(reg), "specdec_step_overhead_seconds_count", mode="spec") == 0  # exported up front
+    draft = ServerTiming(0.004, 0.001, batch_size=2, step_seconds=0.0050)
+    target = ServerTiming(0.006, 0.005, batch_size=2, step_seconds=0.0070)
+    cm.observe_step([3, 3], [1, 2], step_seconds=0.0131, draft_timing=draft, target_timing=target)
+    cm.observe_step([0, 0], [0, 0], step_seconds=0.0075, target_timing=target)            # plain: no Propose
+    cm.observe_step([0], [0], step_seconds=0.0075, target_timing=ServerTiming(0.006, 0.005))  # no step time
+    s = scrape(reg)
+    assert value(s, "specdec_step_overhead_seconds_sum", mode="spec") == pytest.approx(0.0011)
+    assert value(s, "specdec_step_overhead_seconds_sum", mode="plain") == pytest.approx(0.0005)
+    assert value(s, "specdec_step_overhead_seconds_count", mode="plain") == 1
+
+
 def test_coordinator_request_metrics():
     reg = CollectorRegistry()
     cm = CoordinatorMetrics(reg)
