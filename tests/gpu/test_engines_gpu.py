@@ -6,6 +6,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.engine import DraftEngine, TargetEngine
+from specdec.engine.types import DraftSeqInput, VerifySeqInput
 from tests.helpers.tiny_models import make_pair
 from tests.unit.test_engines import PROMPTS, plain_greedy, speculative
 
@@ -29,3 +30,49 @@ def test_greedy_speculation_on_cuda(tmp_path, dtype):
         assert got == reference  # bf16 may flip near-ties between a k+1 verify and 1-token steps
     assert 0 < accepted <= drafted
     assert draft.num_free_blocks == target.num_free_blocks == 256
+
+
+def _syncs(fn):
+    """(fn's result, the synchronising CUDA calls it made) under torch's sync debug mode."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return result, [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_steps_sync_only_for_their_results(tmp_path, temperature):
+    """Issue #7: no host synchronisation inside a step. A draft proposal of 4 tokens (graph
+    replays, device-fed tokens) and a verify of them each synchronise only where their results
+    come to the host: the drafted tokens (and, sampled, their probabilities), the verify outcome."""
+    from specdec.sampling.params import SamplingParams
+    target_path, draft_path = make_pair(tmp_path)
+    sampling = SamplingParams(temperature=temperature, seed=3) if temperature else SamplingParams()
+
+    def config(path):
+        return EngineConfig(model=path, device="cuda", dtype=torch.bfloat16, num_blocks=256,
+                            block_size=16, warmup_batch_sizes=(1, 2, 4))
+
+    draft, target = DraftEngine(config(draft_path)), TargetEngine(config(target_path))
+    for engine in (draft, target):
+        engine.warm_up()
+    ids, prompts = [7, 8], [list(p) for p in PROMPTS[:2]]
+    # Prefill and a first step outside the count: they may compile kernels and build caches.
+    prop = draft.propose([DraftSeqInput(i, 0, p, 4, sampling, first=True) for i, p in zip(ids, prompts)])
+    ver = target.verify([VerifySeqInput(i, p, o.tokens, o.probs, sampling, first=True)
+                         for i, p, o in zip(ids, prompts, prop.outputs)])
+    keep = [v.accepted for v in ver.outputs]
+    nxt = [[v.next_token] for v in ver.outputs]
+    prop, draft_syncs = _syncs(lambda: draft.propose(
+        [DraftSeqInput(i, k, n, 4, sampling) for i, k, n in zip(ids, keep, nxt)]))
+    ver, target_syncs = _syncs(lambda: target.verify(
+        [VerifySeqInput(i, n, o.tokens, o.probs, sampling) for i, n, o in zip(ids, nxt, prop.outputs)]))
+    assert all(len(o.tokens) == 4 for o in prop.outputs) and all(v.error is None for v in ver.outputs)
+    assert len(draft_syncs) <= (2 if temperature else 1), draft_syncs
+    assert len(target_syncs) <= 1, target_syncs
