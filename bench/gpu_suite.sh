@@ -1,32 +1,57 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the kernel/runner benchmarks, each stage under its own time limit so
-# the call fits the device tool's 10-minute budget. Logs and JSON go to $OUT (default bench/results).
-#   bash bench/gpu_suite.sh [tests] [decode] [cost] [attention] [gemv]   (default: the first four)
+# Device calls, each stage under its own time limit so a call fits the device tool's 10 minutes.
+# Logs and the stages' JSON go to $OUT (default bench/results); only those files are copied, since
+# the device returns a bounded number of files.
+#   bash bench/gpu_suite.sh STAGE...
+# Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, serving, attention,
+#         decode, cost, gemv. Suggested calls (each < 10 min):
+#   bash bench/gpu_suite.sh tests                 # ~200 s
+#   bash bench/gpu_suite.sh tests-attention       # ~300 s
+#   bash bench/gpu_suite.sh e2e numerics          # ~300 s
+#   bash bench/gpu_suite.sh decode cost gemv      # ~90 s, then: attention (~200 s), serving
+# The device image lacks grpcio-health-checking / grpcio-reflection: put their 1.84.0 wheels in
+# .whl (pip download --no-deps --only-binary=:all: -d .whl ...) and carry it; they are installed
+# to /tmp/site here.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-stages=${*:-tests decode cost attention}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 log=$OUT/gpu_suite.log
 : > "$log"
 run() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) ===" | tee -a "$log"
   local t0=$SECONDS
-  timeout "$secs" "$@" >> "$log" 2>&1
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s ===" | tee -a "$log"
+  tail -n "${TAIL:-15}" "$OUT/$name.log" | cut -c1-200
+}
+keep() {  # copy result JSON into $OUT (when it is not bench/results itself)
+  for f in "$@"; do
+    [ -f "bench/results/$f" ] && [ "$(realpath "$OUT")" != "$(realpath bench/results)" ] && cp "bench/results/$f" "$OUT/"
+  done
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
-for s in $stages; do
+for s in "$@"; do
   case $s in
-    tests) run tests "${TESTS_S:-150}" python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
-    decode) run decode "${DECODE_S:-110}" python3 bench/decode.py --gemv ;;
-    gemv) run gemv "${GEMV_S:-200}" python3 bench/gemv.py ;;
-    cost) run cost "${COST_S:-90}" python3 bench/cost_coefficient.py ;;
-    attention) run attention "${ATTN_S:-220}" python3 bench/attention.py --tune-seconds "${TUNE_S:-40}" ;;
+    tests) run tests "${TESTS_S:-280}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests \
+             --ignore tests/gpu/test_triton_attention_gpu.py ;;
+    tests-attention) run tests-attention "${ATTN_TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+             tests/gpu/test_triton_attention_gpu.py ;;
+    numerics) run numerics "${NUMERICS_S:-120}" python3 bench/numerics.py; keep numerics.json ;;
+    e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}"; keep e2e.json ;;
+    serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
+    attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
+    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --gemv --no-hf; keep decode.json ;;
+    cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf --gemv; keep cost_coefficient.json ;;
+    gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
-grep -E "passed|failed|error" "$log" | tail -5
