@@ -86,6 +86,12 @@ def metric(values: dict[str, float], name: str, bucket: str | None = None) -> fl
     return None
 
 
+def hist_mean(values: dict[str, float], name: str, mode: str) -> float | None:
+    """Mean observation of a coordinator histogram with a mode label, or None."""
+    total, count = (values.get(f'{name}_{part}{{mode="{mode}"}}') for part in ("sum", "count"))
+    return total / count if total is not None and count else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ROOT / "models" / "target"))
@@ -143,6 +149,11 @@ def report(spec: Run, plain: Run, gamma: int, metrics: dict[str, float]) -> None
         lines.append("cost coefficient c: not exported by this coordinator (no metrics endpoint)")
     lines.append(f"measured speedup (speculative / plain tok/s): "
                  f"{spec.tokens_per_second / plain.tokens_per_second:.2f}x")
+    overhead = hist_mean(metrics, "specdec_step_overhead_seconds", "spec")
+    step = hist_mean(metrics, "specdec_step_seconds", "spec")
+    if overhead is not None and step:
+        lines.append(f"RPC + coordinator overhead per speculative step: {1e3 * overhead:.2f} ms "
+                     f"({overhead / step:.0%} of the step's {1e3 * step:.1f} ms)")
     print("\n".join(lines), flush=True)
 
 

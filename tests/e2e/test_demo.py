@@ -18,3 +18,8 @@ def test_demo_streams_a_completion_and_reports_acceptance():
     # The bundled draft accepts ~0.8 greedily on code (models/README.md); far below means a broken pair.
     assert 0.5 < alpha <= 1.0, out
     assert re.search(r"measured speedup \(speculative / plain tok/s\): [0-9.]+x", out)
+    overhead = re.search(r"RPC \+ coordinator overhead per speculative step: ([0-9.]+) ms \((\d+)% of the step's "
+                         r"([0-9.]+) ms\)", out)
+    assert overhead, out
+    ms, pct, step_ms = float(overhead.group(1)), int(overhead.group(2)), float(overhead.group(3))
+    assert 0 < ms < step_ms and abs(pct - 100 * ms / step_ms) <= 1, out
