@@ -139,6 +139,8 @@ class DraftEngine(ModelEngine):
             steps.append((rows, tokens, q))
             step += 1
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
+            if not keep:
+                break  # every sequence has its drafts (the usual uniform-γ step)
             fed = tokens
             if len(keep) < len(rows):
                 kept = as_device_tensor(keep, torch.int64, self.device)
