@@ -137,9 +137,19 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     tiles = triton.cdiv(n, block_n)
     split = 1
     if tiles < num_sms:
-        split = max(1, min(triton.cdiv(num_sms, tiles), k // block_k, 16))
+        # Whole K blocks per split, at most 16 splits; the count is the one gemv() launches.
+        blocks = triton.cdiv(k, block_k)
+        per = max(1, blocks // triton.cdiv(num_sms, tiles), triton.cdiv(blocks, 16))
+        split = triton.cdiv(blocks, per)
     return GemvConfig(block_m=1 if m == 1 else 16, block_n=block_n, block_k=block_k, split_k=split,
                       num_warps=warps, num_stages=stages)
+
+
+def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(K elements per split, splits launched): whole BLOCK_Ks per split, no empty splits (so the
+    launched count can be below cfg.split_k when the K blocks do not divide evenly)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -165,8 +175,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = config or default_config(m, n, k, _num_sms(x.device))
     if (m == 1) != (cfg.block_m == 1):
         raise ValueError(f"gemv: config block_m {cfg.block_m} does not serve M = {m}")
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)  # no empty splits
+    k_per_split, split = split_layout(k, cfg)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](

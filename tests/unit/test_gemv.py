@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels.gemv import MAX_M, GemvConfig, GemvOps, default_config, gemv, linear
+from specdec.kernels.gemv import MAX_M, GemvConfig, GemvOps, default_config, gemv, linear, split_layout
 from specdec.models.llama import TorchLayerOps
 from specdec.models.loader import build_model, init_random
 from tests.helpers.op_sets import assert_switch_keeps_logits, new_runner, run_steps, tiny_config
@@ -80,10 +80,16 @@ def test_default_config_splits_k_only_where_n_cannot_fill_the_sms():
             if tiles >= 132:
                 assert cfg.split_k == 1, (m, n, k, cfg)
             else:  # 4096 / 32 = 128 tiles at M > 1: split in two
-                assert tiles * cfg.split_k >= 132 and cfg.split_k <= k // cfg.block_k, (m, n, k, cfg)
+                assert tiles * split_layout(k, cfg)[1] >= 132, (m, n, k, cfg)
         assert default_config(m, 32000, 4096, 132).split_k == 1
-    small = default_config(1, 256, 4096, 132)  # e.g. a tensor-parallel shard of a small model
-    assert small.split_k > 1 and -(-256 // small.block_n) * small.split_k >= 132
+    # Small N (e.g. a tensor-parallel shard of a small model): the splits that launch fill the SMs
+    # and are the ones the config names (uneven K blocks once launched fewer: 5 asked, 4 ran).
+    for n, k in [(256, 4096), (192, 11008), (320, 192), (768, 768), (64, 4096)]:
+        cfg = default_config(1, n, k, 132)
+        launched = split_layout(k, cfg)[1]
+        assert launched == cfg.split_k, (n, k, cfg)
+        blocks = -(-k // cfg.block_k)
+        assert -(-n // cfg.block_n) * launched >= 132 or launched == min(blocks, 16), (n, k, cfg)
     assert default_config(1, 256, 512, 132).split_k == 1  # K holds one block: nothing to split
 
 
