@@ -87,8 +87,8 @@ def _ulps(got, ref64, scale64):
 @pytest.mark.parametrize("half_fp32", [False, True], ids=["cos-full", "cos-half-fp32"])
 def test_rope_store_matches_float64(device, dtype, heads, half_fp32):
     """RoPE(q) returned, RoPE(k) and v stored in their slots, against a float64 rotation of the same
-    rounded operands, in units of the last place at the size of the rotation's terms: within 1 on the
-    GPU, 2 in the interpreter, and on the GPU no less accurate than the torch path."""
+    rounded operands, in units of the last place at the size of the rotation's terms: bf16 within 1
+    on the GPU (2 in the interpreter) and no less accurate than the torch path; fp32 within 1.5."""
     h, hkv, d = heads
     gen = torch.Generator().manual_seed(3)
     t, nb, bs = 6, 5, 4
@@ -103,15 +103,16 @@ def test_rope_store_matches_float64(device, dtype, heads, half_fp32):
 
     keep = slots >= 0
     got_k = k_cache.view(-1, hkv, d)[slots[keep]]
-    # The kernel rounds once (the GPU to nearest: <= 1/2 unit + fp32's error); the interpreter
-    # truncates, both the fp32 table and the result (< 2 units).
-    bound = 1.0 if device == "cuda" else 2.0
+    # bf16: the products are exact in fp32 and the kernel rounds once (the GPU to nearest: <= 1/2
+    # unit + fp32's error); the interpreter truncates, both the table and the result (< 2 units).
+    # fp32: each product may round too, unless the compiler fuses a multiply-add (<= 1.5 units).
+    bound = 1.5 if dtype == torch.float32 else 1.0 if device == "cuda" else 2.0
     for got, x, c, s in ((got_q, q, cos, sin), (got_k, k[keep], cos[keep], sin[keep])):
         ref, scale = _rope64(x, c, s)
         assert got.dtype == dtype
         err = _ulps(got, ref, scale)
         assert err.max().item() <= bound, f"{err.max().item():.2f} units from the float64 rotation"
-        if device == "cuda":  # the torch path rounds each product as well
+        if device == "cuda" and dtype == torch.bfloat16:  # the torch path rounds each product too
             assert err.sum() <= _ulps(apply_rotary(x, c, s), ref, scale).sum()
     assert torch.equal(v_cache.view(-1, hkv, d)[slots[keep]], v[keep])
     untouched = torch.ones(nb * bs, dtype=torch.bool, device=device)
