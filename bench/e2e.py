@@ -16,7 +16,8 @@ Sections, in this order (one not started when the deadline would pass is recorde
              with; --agreement -1 gives plain random weights (acceptance ~0); the target server
              stays up while the drafts change
   demo-2gpu  demo pair with the target on cuda:0 and the draft on cuda:1 (two GPUs only)
-  hf-7b      transformers generate on the 7B shapes (its own random init), batch 1
+  hf-7b      transformers generate on the 7B shapes (its own random init, which does not agree:
+             only its plain tokens/s goes beside our 7B rows; assisted stays in result["hf"])
 
 Per row: tokens/s with speculation (fixed γ) and without (speculation off: plain decoding through
 the same Verify path), acceptance = accepted/drafted, τ = 1 + accepted/steps, α solved from τ and γ
@@ -338,7 +339,14 @@ def main(argv=None) -> int:
     for r in rows:  # HF numbers next to our batch-1, one-GPU row of the same pair
         hf = next((h for h in hf_rows if h["pair"] == r["pair"]), None)
         if hf and r.get("batch") == 1 and r.get("gpus", 0) <= 1:
-            r.update({k: v for k, v in hf.items() if k != "pair"})
+            if r["pair"].startswith(seven_label) and a.agreement >= 0:
+                # transformers loads its own random init, whose models agree on nothing: its plain
+                # speed compares, its assisted speed (acceptance ~0) does not sit beside ours.
+                r.update(hf_plain_tok_s=hf.get("hf_plain_tok_s"),
+                         hf_note="assisted generation not comparable: transformers' random init "
+                                 "does not agree; see result['hf']")
+            else:
+                r.update({k: v for k, v in hf.items() if k != "pair"})
     result = {"benchmark": "e2e", "environment": environment(), "device": a.device, "gpus": gpus,
               "settings": {"new_tokens": a.new_tokens, "gamma": a.gamma, "waves": a.waves,
                            "batches": a.batches, "batches_7b": a.batches_7b, "smoke": a.smoke,

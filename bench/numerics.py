@@ -1,7 +1,9 @@
 """Does an op set change what the demo pair computes? Greedy agreement in bf16 on the GPU for each op
 set (torch ops, fused kernels, fused + GEMV), against the same models in fp32 on the torch ops.
 
-Along the fp32 target's own greedy continuation of real prompts (Python source from this repo), every
+Along the fp32 target's own greedy continuation of real prompts (the frozen Python source windows
+of bench/data/code_windows.json; the first run, in bench/results/numerics.json, used the live
+specdec/*.py files), every
 token is fed one decode step at a time (M = 1, what plain decoding and the draft run) to:
 - the target in bf16: top-1 agreement with the fp32 target (1.0 = no rounding flip);
 - the draft in bf16: top-1 agreement with the fp32 target's token (the greedy acceptance a
@@ -36,16 +38,12 @@ VERIFY = 5
 
 
 def prompts(n: int, length: int = 48) -> list[list[int]]:
+    import json
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(ROOT / "models" / "target" / "tokenizer.json"))
-    out = []
-    for path in sorted((ROOT / "specdec").rglob("*.py")):
-        ids = tok.encode(path.read_text()).ids
-        if len(ids) >= length:
-            out.append(ids[:length])
-        if len(out) == n:
-            break
-    return out
+    windows = json.loads((ROOT / "bench" / "data" / "code_windows.json").read_text())["windows"]
+    out = [ids[:length] for ids in (tok.encode(w["text"]).ids for w in windows) if len(ids) >= length]
+    return out[:n]
 
 
 def runner_for(name: str, dtype: torch.dtype, device: str, graphs: bool = False, **ops) -> ModelRunner:
