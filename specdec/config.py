@@ -188,6 +188,7 @@ class EngineConfig:
     probs_dtype: torch.dtype = torch.float16  # draft probability transport (fp16 or bf16)
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     cuda_graphs: bool = True          # on cuda: capture decode/verify graphs at start-up
+    gemv_kernels: bool | None = None  # Triton GEMV for linears of <= 16-token steps; None: on cuda
     graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)

@@ -54,13 +54,15 @@ class ModelEngine:
             torch.cuda.set_device(self.device)
         if config.random_weights:  # benchmarks of a shape: no checkpoint to write, read or load
             self.model_config = ModelConfig.from_path(config.model)
-            model = build_model(self.model_config, config.dtype, self.device)
+            model = build_model(self.model_config, config.dtype, self.device,
+                                gemv_kernels=config.gemv_kernels)
             if config.random_agreement is None:
                 init_random(model)
             else:
                 init_agreeing(model, config.random_agreement)
         else:
-            model, self.model_config = load_model(config.model, config.dtype, self.device)
+            model, self.model_config = load_model(config.model, config.dtype, self.device,
+                                                  gemv_kernels=config.gemv_kernels)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position
         if self.max_model_len > mc.max_position:

@@ -104,6 +104,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "the acceptance to benchmark at; specdec/models/synthetic.py)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every forward eagerly on cuda (default: graphs for decode/verify steps)")
+    p.add_argument("--no-gemv-kernels", dest="gemv_kernels", action="store_const", const=False,
+                   default=None, help="cuBLAS for every linear layer on cuda (default: the Triton GEMV "
+                                      "for steps of <= 16 tokens, cuBLAS above)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
                                               "draft 1,2; target 1..min(max-num-draft, 8)+1)")
     p.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32",
@@ -134,7 +137,8 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             graph_query_lens=(_ints(a.graph_query_lens, "--graph-query-lens")
                               if a.graph_query_lens else None),
             graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),
-            random_weights=a.random_weights, random_agreement=a.random_agreement)
+            random_weights=a.random_weights, random_agreement=a.random_agreement,
+            gemv_kernels=a.gemv_kernels)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads)
     except ValueError as e:

@@ -76,3 +76,11 @@ def test_decode_steps_sync_only_for_their_results(tmp_path, temperature):
     assert all(len(o.tokens) == 4 for o in prop.outputs) and all(v.error is None for v in ver.outputs)
     assert len(draft_syncs) <= (2 if temperature else 1), draft_syncs
     assert len(target_syncs) <= 1, target_syncs
+
+
+def test_gemv_kernels_default_on_and_the_switch_off(tmp_path):
+    target_path, _ = make_pair(tmp_path)
+    for flag, want in ((None, True), (False, False)):
+        engine = TargetEngine(EngineConfig(model=target_path, device="cuda", dtype=torch.bfloat16,
+                                           num_blocks=64, cuda_graphs=False, gemv_kernels=flag))
+        assert engine.runner.model.gemv_kernels is want

@@ -20,7 +20,8 @@ def test_flags_reach_the_engine_config():
     config = config_from_args("draft", argv)[0]
     e = config.engine
     assert not e.cuda_graphs and e.graph_query_lens == (1, 3) and e.graph_batch_sizes == (1, 8)
-    assert not e.random_weights
+    assert not e.random_weights and e.gemv_kernels is None
+    assert config_from_args("draft", ["--model", "m", "--no-gemv-kernels"])[0].engine.gemv_kernels is False
     assert config_from_args("target", ["--model", "m", "--random-weights"])[0].engine.random_weights
 
 
