@@ -52,5 +52,6 @@ def pack_to_device(arrays: Sequence[tuple[Sequence[int], torch.dtype]],
         buf += bytes(-len(buf) % PACK_ALIGN)
     if not buf:
         return [torch.empty(0, dtype=dtype, device=device) for _, _, dtype in spans]
+    # On the CPU the views share `buf` (frombuffer keeps it alive); it is never touched again here.
     packed = to_device(torch.frombuffer(buf, dtype=torch.uint8), device)
     return [packed[off:off + n * dtype.itemsize].view(dtype) for off, n, dtype in spans]
