@@ -74,8 +74,11 @@ def test_decode_steps_sync_only_for_their_results(tmp_path, temperature):
     ver, target_syncs = _syncs(lambda: target.verify(
         [VerifySeqInput(i, n, o.tokens, o.probs, sampling) for i, n, o in zip(ids, nxt, prop.outputs)]))
     assert all(len(o.tokens) == 4 for o in prop.outputs) and all(v.error is None for v in ver.outputs)
-    assert len(draft_syncs) <= (2 if temperature else 1), draft_syncs
-    assert len(target_syncs) <= 1, target_syncs
+    # Allowed: the results' copies to the host (draft tokens, sampled probabilities; the verify
+    # outcome) and the step clock's event wait right after them, which may count as a sync but
+    # waits for nothing; a sync per drafted position (4 here) would exceed these.
+    assert len(draft_syncs) <= (3 if temperature else 2), draft_syncs
+    assert len(target_syncs) <= 2, target_syncs
 
 
 def test_gemv_kernels_default_on_and_the_switch_off(tmp_path):
