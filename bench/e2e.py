@@ -44,6 +44,7 @@ from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E40
 from services import (DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
                       run_concurrent, summarize, write_shape_folder)
+from specdec.metrics import histogram_mean  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
 # Smoke stand-ins for the 7B pair: random weights through the same code path, CPU-sized.
@@ -116,10 +117,10 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "expected_system": tau / (a.gamma * c_sys + 1) if tau and c_sys is not None else None,
                    "greedy_equal": sum(same) / len(same) if same else None,
                    # RPC + coordinator time per step (step wall minus the servers' handling), mean
-                   "overhead_ms_plain": _hist_mean_ms(m0, m1, "specdec_step_overhead_seconds", "plain"),
-                   "overhead_ms_spec": _hist_mean_ms(m1, m2, "specdec_step_overhead_seconds", "spec"),
-                   "step_ms_plain": _hist_mean_ms(m0, m1, "specdec_step_seconds", "plain"),
-                   "step_ms_spec": _hist_mean_ms(m1, m2, "specdec_step_seconds", "spec"),
+                   "overhead_ms_plain": _ms(histogram_mean(m1, "specdec_step_overhead_seconds", m0, mode="plain")),
+                   "overhead_ms_spec": _ms(histogram_mean(m2, "specdec_step_overhead_seconds", m1, mode="spec")),
+                   "step_ms_plain": _ms(histogram_mean(m1, "specdec_step_seconds", m0, mode="plain")),
+                   "step_ms_spec": _ms(histogram_mean(m2, "specdec_step_seconds", m1, mode="spec")),
                    "target_decode_ms": 1e3 * t_c if t_c else None,
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
@@ -136,12 +137,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
     return rows
 
 
-def _hist_mean_ms(before: dict, after: dict, name: str, mode: str) -> float | None:
-    """Mean of a coordinator histogram's observations between two scrapes, in ms."""
-    def total(samples, suffix):
-        return sum(v for labels, v in samples.get(name + suffix) or [] if labels.get("mode") == mode)
-    count = total(after, "_count") - total(before, "_count")
-    return 1e3 * (total(after, "_sum") - total(before, "_sum")) / count if count else None
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def _metric(samples: dict, name: str, batch: int) -> float | None:

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from common import ROOT, hf_config
 from coordinator.client import AsyncClient  # noqa: E402
 from coordinator.launch import Proc, free_port, spawn_server, stop_all, wait_healthy  # noqa: E402
 from specdec.config import ModelConfig  # noqa: E402
+from specdec.metrics import Samples, scrape  # noqa: E402
 
 DEMO_TARGET, DEMO_DRAFT = ROOT / "models" / "target", ROOT / "models" / "draft"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -96,8 +96,8 @@ class Coordinator:
     def address(self) -> str:
         return self.proc.address
 
-    def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
-        return scrape(self.metrics_port) if self.metrics_port else {}
+    def metrics(self) -> Samples:
+        return scrape(f"127.0.0.1:{self.metrics_port}") if self.metrics_port else {}
 
 
 @contextlib.contextmanager
@@ -148,22 +148,6 @@ def profile_at(profile: dict[int, float], batch: int) -> float | None:
         return None
     sizes = sorted(profile)
     return profile[next((b for b in sizes if b >= batch), sizes[-1])]
-
-
-def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text exposition -> {sample name: [(labels, value)]}; {} when unreachable."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        m = re.match(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)', line)
-        if not m or line.startswith("#"):
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        out.setdefault(m.group(1), []).append((labels, float(m.group(3))))
-    return out
 
 
 # --- prompts -------------------------------------------------------------------------------------

@@ -8,16 +8,15 @@ lossless, so the two completions must be identical; the demo checks it.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.client import Client
 from coordinator.launch import local_cluster
 from specdec.cost_model import expected_speedup
+from specdec.metrics import Samples, histogram_mean, sample_value, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = '''import os
@@ -60,38 +59,6 @@ def generate(client: Client, prompt: str, max_new_tokens: int, speculate: bool, 
                usage.accepted_tokens, usage.steps)
 
 
-def scrape(address: str | None) -> dict[str, float]:
-    """Unlabelled and bucket-labelled gauges of a Prometheus text endpoint (best effort)."""
-    if not address:
-        return {}
-    try:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^(specdec_\w+)(\{[^}]*\})?\s+(\S+)$", line)
-        if m:
-            try:
-                values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-            except ValueError:
-                pass
-    return values
-
-
-def metric(values: dict[str, float], name: str, bucket: str | None = None) -> float | None:
-    for key, v in values.items():
-        if key.split("{")[0] == name and (bucket is None or f'batch="{bucket}"' in key) and v == v:
-            return v
-    return None
-
-
-def hist_mean(values: dict[str, float], name: str, mode: str) -> float | None:
-    """Mean observation of a coordinator histogram with a mode label, or None."""
-    total, count = (values.get(f'{name}_{part}{{mode="{mode}"}}') for part in ("sum", "count"))
-    return total / count if total is not None and count else None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ROOT / "models" / "target"))
@@ -123,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if spec.text == plain.text else 1
 
 
-def report(spec: Run, plain: Run, gamma: int, metrics: dict[str, float]) -> None:
+def report(spec: Run, plain: Run, gamma: int, metrics: Samples) -> None:
     alpha = spec.accepted / spec.drafted if spec.drafted else float("nan")
     tau = spec.tokens / spec.steps if spec.steps else float("nan")
-    c = metric(metrics, "specdec_cost_coefficient", "1")
-    c_system = metric(metrics, "specdec_system_cost_coefficient", "1")
+    c = sample_value(metrics, "specdec_cost_coefficient", batch="1")
+    c_system = sample_value(metrics, "specdec_system_cost_coefficient", batch="1")
     # Per-token acceptance probability for Leviathan's formula: accepted / (accepted + rejections).
-    alpha_tok = metric(metrics, "specdec_alpha")
+    alpha_tok = sample_value(metrics, "specdec_alpha")
     lines = [
         f"speculative: {spec.tokens} tokens in {spec.seconds:.2f}s = {spec.tokens_per_second:.1f} tok/s "
         f"(first token {1e3 * spec.ttft:.0f} ms)",
@@ -149,8 +116,8 @@ def report(spec: Run, plain: Run, gamma: int, metrics: dict[str, float]) -> None
         lines.append("cost coefficient c: not exported by this coordinator (no metrics endpoint)")
     lines.append(f"measured speedup (speculative / plain tok/s): "
                  f"{spec.tokens_per_second / plain.tokens_per_second:.2f}x")
-    overhead = hist_mean(metrics, "specdec_step_overhead_seconds", "spec")
-    step = hist_mean(metrics, "specdec_step_seconds", "spec")
+    overhead = histogram_mean(metrics, "specdec_step_overhead_seconds", mode="spec")
+    step = histogram_mean(metrics, "specdec_step_seconds", mode="spec")
     if overhead is not None and step:
         lines.append(f"RPC + coordinator overhead per speculative step: {1e3 * overhead:.2f} ms "
                      f"({overhead / step:.0%} of the step's {1e3 * step:.1f} ms)")

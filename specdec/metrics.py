@@ -11,10 +11,12 @@ library are imported here: the coordinator imports no torch.
 from __future__ import annotations
 
 import math
+import urllib.request
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.cost_model import (DEFAULT_BATCH_BUCKETS, DEFAULT_EMA_WEIGHT, CostProfile, ServerTiming,
                                 SpecStats, WindowStats, bucket_for)
@@ -377,3 +379,41 @@ __all__ = ["ROLES", "PHASES", "STAGES", "RPCS", "STATUS_CODES", "MetricSpec", "S
            "COORDINATOR_METRICS", "all_metric_specs", "exposed_series_names", "ServerMetrics",
            "CoordinatorMetrics", "ServerTiming", "WindowStats", "MetricsServer",
            "start_metrics_server", "bucket_for"]
+
+
+# --- reading a process's /metrics (the demo and the benchmarks) --------------------------------
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def scrape(address: str | None, timeout: float = 5.0) -> Samples:
+    """The samples of a /metrics endpoint at host:port: {sample name: [(labels, value)]} (a
+    histogram's _bucket, _sum and _count are separate names); {} when unreachable or None."""
+    if not address:
+        return {}
+    try:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout).read().decode()
+    except OSError:
+        return {}
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def sample_value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The first finite-or-infinite (not NaN) value of `name` whose labels include `labels`."""
+    for got, value in samples.get(name, ()):
+        if value == value and all(got.get(k) == v for k, v in labels.items()):
+            return value
+    return None
+
+
+def histogram_mean(after: Samples, name: str, before: Samples | None = None, **labels: str) -> float | None:
+    """Mean observation of histogram `name` (series matching `labels`, summed), over the whole
+    scrape `after` or between the scrapes `before` and `after`; None without observations."""
+    def total(samples: Samples | None, suffix: str) -> float:
+        return sum(v for got, v in (samples or {}).get(name + suffix, ())
+                   if all(got.get(k) == x for k, x in labels.items()))
+    count = total(after, "_count") - total(before, "_count")
+    return (total(after, "_sum") - total(before, "_sum")) / count if count else None

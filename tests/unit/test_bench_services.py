@@ -10,7 +10,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # the benchmarks are scripts: `common` and `services` are top-level
 
-from services import has_weights, leviathan_alpha, scrape, write_shape_folder  # noqa: E402
+from services import has_weights, leviathan_alpha, write_shape_folder  # noqa: E402
 
 SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=9000, hidden_size=64,
              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -45,4 +45,5 @@ def test_alpha_from_tokens_per_step(alpha, gamma):
 
 def test_scrape_of_nothing_is_empty():
     from coordinator.launch import free_port
-    assert scrape(free_port()) == {}
+    from specdec.metrics import scrape
+    assert scrape(f"127.0.0.1:{free_port()}") == {} and scrape(None) == {}

@@ -13,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec.cost_model import (CostProfile, ServerTiming, SpecStats, alpha_estimate, bucket_for,
                                 expected_speedup)
 from specdec.metrics import (COORDINATOR_METRICS, SERVER_METRICS, CoordinatorMetrics, ServerMetrics,
-                             all_metric_specs, exposed_series_names, start_metrics_server)
+                             all_metric_specs, exposed_series_names, histogram_mean, sample_value,
+                             start_metrics_server)
+from specdec.metrics import scrape as scrape_address
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
@@ -303,6 +305,32 @@ def test_start_metrics_server_serves_the_registry():
         server.close()
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert "specdec_kv_blocks_free" in names and "specdec_draft_tokens_total" not in names
+
+
+def test_scrape_reads_values_and_histogram_means_back():
+    """What the demo and the benchmarks read from a process: gauges by label (NaN skipped) and the
+    mean of a labelled histogram over a whole scrape or between two."""
+    reg = CollectorRegistry()
+    cm = CoordinatorMetrics(reg, buckets=(1, 2, 4))
+    timing = ServerTiming(0.006, 0.005, batch_size=1, step_seconds=0.007)
+    cm.observe_step([2], [1], step_seconds=0.010, draft_timing=ServerTiming(0.001, 0.001, step_seconds=0.002),
+                    target_timing=timing)
+    server = start_metrics_server(0, reg, addr="127.0.0.1")
+    try:
+        before = scrape_address(f"127.0.0.1:{server.port}")
+        cm.observe_step([2], [2], step_seconds=0.012, draft_timing=ServerTiming(0.001, 0.001, step_seconds=0.002),
+                        target_timing=timing)
+        cm.observe_step([0], [0], step_seconds=0.008, target_timing=timing)
+        after = scrape_address(f"127.0.0.1:{server.port}")
+    finally:
+        server.close()
+    assert sample_value(after, "specdec_cost_coefficient", batch="1") == pytest.approx(0.2)
+    assert sample_value(after, "specdec_cost_coefficient", batch="4") is None   # NaN: not measured
+    assert sample_value(after, "specdec_draft_tokens_total") == 4
+    assert histogram_mean(after, "specdec_step_seconds", mode="spec") == pytest.approx(0.011)
+    assert histogram_mean(after, "specdec_step_seconds", before, mode="spec") == pytest.approx(0.012)
+    assert histogram_mean(after, "specdec_step_overhead_seconds", before, mode="plain") == pytest.approx(0.001)
+    assert histogram_mean(before, "specdec_step_seconds", mode="plain") is None
 
 
 def test_metrics_import_no_torch():
