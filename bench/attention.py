@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -33,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from common import copy_bandwidth, environment  # noqa: E402
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error  # noqa: E402
 from specdec.kernels.triton_attention import launch_plan, paged_attention  # noqa: E402
 
@@ -63,22 +63,6 @@ TUNE_TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def environment() -> dict:
-    p = torch.cuda.get_device_properties(0)
-    return {"device": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version()}
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy, read + write counted."""
-    src = torch.ones(COPY_BYTES, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
-    return 2 * COPY_BYTES / (ms * 1e-3)
 
 
 def correctness_checks() -> list[dict]:
@@ -358,7 +342,7 @@ def main() -> int:
     failed_checks = sum(not c["ok"] for c in result["checks"])
     log(f"correctness: {len(result['checks']) - failed_checks}/{len(result['checks'])} checks pass "
         f"({time.time() - t0:.0f}s)")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(COPY_BYTES)
     result["copy_bandwidth_GBps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     batches, contexts, qls = QUICK if args.quick else (BATCHES, CONTEXTS, QUERY_LENS)
