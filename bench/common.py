@@ -1,6 +1,7 @@
 """What every benchmark shares: environment record, measured copy bandwidth, model shapes, JSON output."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -27,6 +28,27 @@ SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000),
 }
+
+
+# The layer kernel sets a benchmark compares in one run; "default" is what the servers run on an H200.
+KERNEL_SETS = {
+    "default": dict(fused=True, gemv=True, pdl=True),
+    "no_pdl": dict(fused=True, gemv=True, pdl=False),      # what programmatic dependent launch buys
+    "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys
+    "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
+}
+
+
+@contextlib.contextmanager
+def kernel_set(model, name: str):
+    """Switch `model` to a kernel set; capture its CUDA graphs inside the block (a graph keeps the
+    kernels, and the launch attributes, it was captured with)."""
+    from specdec.kernels import pdl
+    chosen = KERNEL_SETS[name]
+    model.set_fused_kernels(chosen["fused"])
+    model.set_gemv_kernels(chosen["gemv"])
+    with pdl.forced(chosen["pdl"]):
+        yield
 
 
 def hf_config(shape: str, max_position: int = 4096) -> dict:

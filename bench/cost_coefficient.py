@@ -1,10 +1,10 @@
 """The cost coefficient c = t_draft(b, 1 token) / t_target(b, 1 token) (Leviathan et al. 2023, Def. 3.7)
 for three public draft shapes against the Llama-7B shape, as our runner measures it (the graphed
-single-token forward a server times) with the fused layer kernels and with the torch layer ops,
-beside the weight-bytes ratio and transformers eager. --gemv adds c with the Triton GEMV kernels
-(kernels/gemv.py) for the linear layers of both models.
+single-token forward a server times), with each kernel set of bench/common.KERNEL_SETS on the same
+weights in one run ("default" is the servers' CUDA default), beside the weight-bytes ratio and
+transformers eager.
 
-    python3 bench/cost_coefficient.py [--batches 1 8 32] [--no-torch-ops] [--no-hf] [--gemv]
+    python3 bench/cost_coefficient.py [--batches 1 8 32] [--sets default no_pdl cublas torch_ops] [--no-hf]
 
 Writes bench/results/cost_coefficient.json.
 """
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import time
-import traceback
 
-from common import environment, hf_config, model_config, table, write_result
+from common import KERNEL_SETS, environment, hf_config, kernel_set, model_config, table, write_result
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -45,29 +44,21 @@ def _graphed_forward_ms(model, batches: list[int]) -> dict[int, float]:
     return times
 
 
-def ours_forward_ms(shape: str, batches: list[int], torch_ops: bool,
-                    gemv: bool = False) -> tuple[dict, dict | None, dict | None, int, str | None]:
-    """(ms per batch with the fused kernels, the same on the torch ops or None, with the fused and
-    GEMV kernels or None, weight bytes, error). If the fused kernels fail, the error is returned and
-    the first dict holds the torch-ops times."""
-    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda", fused_kernels=True,
-                                    gemv_kernels=False))  # cuBLAS first; --gemv adds the server default
+def ours_forward_ms(shape: str, batches: list[int], sets: list[str]) -> tuple[dict, dict, int]:
+    """({kernel set: {batch: ms}}, {kernel set: error}, weight bytes): every set on the same weights."""
+    model = init_random(build_model(model_config(shape), torch.bfloat16, "cuda"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    error, with_gemv = None, None
-    try:
-        fused = _graphed_forward_ms(model, batches)
-        if gemv:
-            model.set_gemv_kernels(True)
-            with_gemv = _graphed_forward_ms(model, batches)
-            model.set_gemv_kernels(False)
-    except Exception as exc:  # keep the run useful: say why, then measure the torch ops
-        traceback.print_exc()
-        error = f"{type(exc).__name__}: {exc}"[:500]
-    model.set_fused_kernels(False)
-    unfused = _graphed_forward_ms(model, batches) if torch_ops or error else None
+    times, errors = {}, {}
+    for name in sets:
+        try:
+            with kernel_set(model, name):
+                times[name] = _graphed_forward_ms(model, batches)
+        except Exception as exc:  # keep the run useful: say why, measure the other sets
+            errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"{shape} {name}: {errors[name]}", flush=True)
     del model
     torch.cuda.empty_cache()
-    return (unfused if error else fused), (unfused if torch_ops else None), with_gemv, weight_bytes, error
+    return times, errors, weight_bytes
 
 
 def hf_forward_ms(shape: str, batches: list[int]) -> dict[int, float]:
@@ -100,22 +91,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--no-torch-ops", action="store_true", help="skip the unfused comparison")
-    ap.add_argument("--gemv", action="store_true", help="also time both models on the GEMV kernels")
+    ap.add_argument("--sets", nargs="+", default=list(KERNEL_SETS), choices=list(KERNEL_SETS),
+                    help="kernel sets to time; c is reported for each, the first is the main column")
     args = ap.parse_args()
+    sets = ["default"] + [n for n in args.sets if n != "default"]
     env = environment()
-    ours, sizes, hf, unfused, gemv, errors = {}, {}, {}, {}, {}, {}
+    ours, sizes, hf, errors = {}, {}, {}, {}
     for shape in (TARGET, *DRAFTS):
-        ours[shape], torch_ops_ms, gemv_ms, sizes[shape], error = ours_forward_ms(
-            shape, args.batches, not args.no_torch_ops, args.gemv)
-        if error:
-            errors[shape] = error
-        if torch_ops_ms:
-            unfused[shape] = torch_ops_ms
-        if gemv_ms:
-            gemv[shape] = gemv_ms
-        print(f"ours {shape}: {ours[shape]} (torch ops: {torch_ops_ms}, gemv: {gemv_ms}, "
-              f"fused error: {error})", flush=True)
+        ours[shape], errs, sizes[shape] = ours_forward_ms(shape, args.batches, sets)
+        if errs:
+            errors[shape] = errs
+        print(f"ours {shape}: {ours[shape]}", flush=True)
         if not args.no_hf:
             try:
                 hf[shape] = hf_forward_ms(shape, args.batches)
@@ -125,28 +111,27 @@ def main() -> int:
     rows = []
     for shape in DRAFTS:
         for b in args.batches:
-            r = {"draft": shape, "batch": b, "draft_ms": ours[shape][b], "target_ms": ours[TARGET][b],
-                 "c": ours[shape][b] / ours[TARGET][b], "weight_ratio": sizes[shape] / sizes[TARGET]}
-            if shape in unfused and TARGET in unfused:
-                r["draft_ms_torch_ops"], r["target_ms_torch_ops"] = unfused[shape][b], unfused[TARGET][b]
-                r["c_torch_ops"] = unfused[shape][b] / unfused[TARGET][b]
-            if shape in gemv and TARGET in gemv:
-                r["draft_ms_gemv"], r["target_ms_gemv"] = gemv[shape][b], gemv[TARGET][b]
-                r["c_gemv"] = gemv[shape][b] / gemv[TARGET][b]
+            r = {"draft": shape, "batch": b, "weight_ratio": sizes[shape] / sizes[TARGET]}
+            for name in sets:
+                if name in ours[shape] and name in ours[TARGET]:
+                    sfx = "" if name == "default" else "_" + name
+                    r["draft_ms" + sfx], r["target_ms" + sfx] = ours[shape][name][b], ours[TARGET][name][b]
+                    r["c" + sfx] = ours[shape][name][b] / ours[TARGET][name][b]
             if b in hf.get(shape, {}) and b in hf.get(TARGET, {}):
                 r["hf_draft_ms"], r["hf_target_ms"] = hf[shape][b], hf[TARGET][b]
                 r["hf_c"] = hf[shape][b] / hf[TARGET][b]
             rows.append(r)
     result = {"benchmark": "cost_coefficient", "target": TARGET, "context": CONTEXT, "environment": env,
-              "weight_bytes": sizes, "rows": rows, "transformers_eager_ms": hf, "torch_ops_ms": unfused,
-              "gemv_ms": gemv, "fused_errors": errors}
+              "kernel_sets": {n: KERNEL_SETS[n] for n in sets}, "weight_bytes": sizes, "rows": rows,
+              "forward_ms": ours, "transformers_eager_ms": hf, "errors": errors}
     path = write_result("cost_coefficient", result)
+    columns = [("draft", "draft", "s"), ("batch", "batch", "d"), ("draft_ms", "draft ms", ".3f"),
+               ("target_ms", "target ms", ".3f"), ("c", "c", ".3f")]
+    for name in sets[1:]:
+        columns += [("draft_ms_" + name, "draft ms " + name, ".3f"), ("c_" + name, "c " + name, ".3f")]
+    columns += [("weight_ratio", "weight ratio", ".3f"), ("hf_c", "c (HF eager)", ".2f")]
     print()
-    print(table(rows, [("draft", "draft", "s"), ("batch", "batch", "d"), ("draft_ms", "draft ms", ".3f"),
-                       ("target_ms", "target ms", ".3f"), ("c", "c (ours)", ".3f"),
-                       ("draft_ms_torch_ops", "draft ms torch ops", ".3f"), ("c_torch_ops", "c torch ops", ".3f"),
-                       ("draft_ms_gemv", "draft ms gemv", ".3f"), ("target_ms_gemv", "target ms gemv", ".3f"),
-                       ("c_gemv", "c gemv", ".3f"), ("weight_ratio", "weight ratio", ".3f"), ("hf_c", "c (HF eager)", ".2f")]))
+    print(table(rows, columns))
     print(f"wrote {path}")
     return 0
 

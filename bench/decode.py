@@ -1,16 +1,16 @@
 """Target-only decode on the GPU: our runner (CUDA graphs) against the HBM floor and transformers.
 
-    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static] [--gemv]
+    python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static]
+                            [--sets default no_pdl cublas torch_ops]
 
-For each batch size: the device time of one graphed decode forward (graph replay) with the fused
-layer kernels on cuBLAS linears and, for comparison, with the torch layer ops; the tokens/s of a full greedy loop
-through ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
+For each batch size: the device time of one graphed decode forward (graph replay) with each kernel
+set of bench/common.KERNEL_SETS on the same weights in the same run ("default" is what the servers
+run: fused layer kernels, the Triton GEMV, programmatic dependent launch; the others drop one
+piece each, or all of Triton); the tokens/s of a full greedy loop with the default set through
+ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
 (weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
-weights. --gemv adds the replay time with the Triton GEMV (kernels/gemv.py) for the projections and
-LM head, what the servers run on CUDA by default; same weights, same run (batches above 16 tokens
-fall back to cuBLAS). --hf-static adds
-transformers' static cache, which torch.compiles on first use: its warm-up runs the same
-max_new_tokens so compilation stays outside the timing, and it can take minutes.
+weights. --hf-static adds transformers' static cache, which torch.compiles on first use: its
+warm-up runs the same max_new_tokens so compilation stays outside the timing, and it can take minutes.
 Writes bench/results/decode.json after our rows, then again after each comparison, so a comparison
 that fails or is killed by a time limit leaves our numbers on disk.
 """
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import time
-import traceback
 
-from common import copy_bandwidth, environment, hf_config, model_config, table, write_result
+from common import KERNEL_SETS, copy_bandwidth, environment, hf_config, kernel_set, model_config, table, write_result
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -107,33 +106,22 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--hf-static", action="store_true",
                     help="also time transformers with a static cache (torch.compile: slow to start)")
-    ap.add_argument("--gemv", action="store_true",
-                    help="also the replay time with the GEMV kernels for the linear layers (the CUDA default)")
-    ap.add_argument("--no-torch-ops", action="store_true",
-                    help="skip the replay time of the same model on the torch layer ops")
+    ap.add_argument("--sets", nargs="+", default=list(KERNEL_SETS), choices=list(KERNEL_SETS),
+                    help="kernel sets to time (replay) beside the default")
     args = ap.parse_args()
     env = environment()
     bw = copy_bandwidth()
     cfg = model_config(args.shape)
-    model = init_random(build_model(cfg, torch.bfloat16, "cuda", gemv_kernels=False))  # --gemv: the default
+    model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_ms = 1e3 * weight_bytes / bw
     rows = []
     result = {"benchmark": "decode", "shape": args.shape, "environment": env, "copy_bandwidth_GBs": bw / 1e9,
-              "weight_bytes": weight_bytes, "layer_ops": model.ops.name, "prompt_len": PROMPT,
+              "weight_bytes": weight_bytes, "kernel_sets": KERNEL_SETS, "prompt_len": PROMPT,
               "steps": args.steps, "rows": rows}
     max_len = PROMPT + args.steps + 64
     for b in args.batches:
-        try:
-            r = {"batch": b, **ours(model, b, args.steps, max_len)}
-        except Exception as exc:
-            if model.ops.name == "torch":
-                raise
-            # Keep the run useful: record why the fused kernels failed and measure the torch ops.
-            traceback.print_exc()
-            result["fused_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            model.set_fused_kernels(False)
-            result["layer_ops"] = model.ops.name
+        with kernel_set(model, "default"):
             r = {"batch": b, **ours(model, b, args.steps, max_len)}
         r["floor_ms"] = floor_ms
         r["frac_of_floor"] = floor_ms / r["step_ms"]
@@ -141,23 +129,14 @@ def main() -> int:
         rows.append(r)
         print(f"ours batch {b}: {r}", flush=True)
     path = write_result("decode", result)
-    if args.gemv:
-        model.set_gemv_kernels(True)
+    for name in (n for n in args.sets if n != "default"):
         for r in rows:
-            _compare(r, "replay_ms_gemv",
-                     lambda: ours(model, r["batch"], args.steps, max_len, loop=False)["replay_ms"])
-            if r.get("replay_ms_gemv"):
-                r["gemv_speedup"] = r["replay_ms"] / r["replay_ms_gemv"]
-                r["replay_frac_of_floor_gemv"] = floor_ms / r["replay_ms_gemv"]
-        model.set_gemv_kernels(False)
-        write_result("decode", result)
-    if not args.no_torch_ops and model.ops.name != "torch":
-        model.set_fused_kernels(False)  # the same weights on the unfused ops: what the kernels buy
-        for r in rows:
-            _compare(r, "replay_ms_torch_ops",
-                     lambda: ours(model, r["batch"], args.steps, max_len, loop=False)["replay_ms"])
-            if r.get("replay_ms_torch_ops"):
-                r["fused_speedup"] = r["replay_ms_torch_ops"] / r["replay_ms"]
+            def measure():
+                with kernel_set(model, name):
+                    return ours(model, r["batch"], args.steps, max_len, loop=False)["replay_ms"]
+            _compare(r, "replay_ms_" + name, measure)
+            if r.get("replay_ms_" + name):
+                r["x_vs_" + name] = r["replay_ms_" + name] / r["replay_ms"]
         write_result("decode", result)
     del model
     torch.cuda.empty_cache()
@@ -171,13 +150,14 @@ def main() -> int:
                 r["speedup_vs_" + name.removesuffix("_tok_s")] = r["tok_s"] / r[name] if r.get(name) else None
         write_result("decode", result)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step")
-    print(table(rows, [("batch", "batch", "d"), ("replay_ms", "replay ms", ".2f"), ("step_ms", "step ms", ".2f"),
-                       ("floor_ms", "floor ms", ".2f"), ("frac_of_floor", "frac floor", ".2f"),
-                       ("replay_ms_gemv", "gemv replay ms", ".2f"), ("gemv_speedup", "x gemv", ".2f"),
-                       ("replay_ms_torch_ops", "torch-ops replay ms", ".2f"), ("fused_speedup", "x fused", ".2f"),
-                       ("tok_s", "tok/s", ".0f"), ("hf_eager_tok_s", "HF eager tok/s", ".0f"),
-                       ("speedup_vs_hf_eager", "x HF eager", ".1f"), ("hf_static_tok_s", "HF static tok/s", ".0f"),
-                       ("speedup_vs_hf_static", "x HF static", ".1f")]))
+    columns = [("batch", "batch", "d"), ("replay_ms", "replay ms", ".2f"), ("floor_ms", "floor ms", ".2f"),
+               ("replay_frac_of_floor", "frac floor", ".2f"), ("step_ms", "step ms", ".2f"),
+               ("tok_s", "tok/s", ".0f")]
+    for name in (n for n in args.sets if n != "default"):
+        columns += [("replay_ms_" + name, name + " ms", ".2f"), ("x_vs_" + name, "x vs " + name, ".2f")]
+    columns += [("hf_eager_tok_s", "HF eager tok/s", ".0f"), ("speedup_vs_hf_eager", "x HF eager", ".1f"),
+                ("hf_static_tok_s", "HF static tok/s", ".0f"), ("speedup_vs_hf_static", "x HF static", ".1f")]
+    print(table(rows, columns))
     print(f"wrote {path}")
     return 0
 

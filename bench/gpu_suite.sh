@@ -49,8 +49,8 @@ for s in "$@"; do
     e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}"; keep e2e.json ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
-    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --gemv --no-hf; keep decode.json ;;
-    cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf --gemv; keep cost_coefficient.json ;;
+    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf; keep decode.json ;;
+    cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf; keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac

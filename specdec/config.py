@@ -189,6 +189,8 @@ class EngineConfig:
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     cuda_graphs: bool = True          # on cuda: capture decode/verify graphs at start-up
     gemv_kernels: bool | None = None  # Triton GEMV for linears of <= 16-token steps; None: on cuda
+    pdl: bool | None = None           # programmatic dependent launch (kernels/pdl.py, process-wide);
+                                      # None: leave the process default (on for Hopper+, SPECDEC_PDL=0 off)
     graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)

@@ -52,6 +52,9 @@ class ModelEngine:
             # Triton launches and CUDA-graph capture use the thread's current device, not the
             # tensors': a server on cuda:1 must make it current (engine calls stay on this thread).
             torch.cuda.set_device(self.device)
+        if config.pdl is not None and self.device.type == "cuda":
+            from specdec.kernels import pdl  # process-wide; read at capture, so set before the graphs
+            pdl.set_enabled(config.pdl)
         if config.random_weights:  # benchmarks of a shape: no checkpoint to write, read or load
             self.model_config = ModelConfig.from_path(config.model)
             model = build_model(self.model_config, config.dtype, self.device,

@@ -19,11 +19,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specdec.kernels import pdl
+
 
 @triton.jit
 def _add_rmsnorm_kernel(X, R, W, Out, ResOut, n_cols, eps,
                         stride_x, stride_r, stride_o, stride_ro,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -58,7 +61,8 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, num_heads
                        stride_ct, stride_st, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kvh, stride_vb, stride_vs, stride_vvh,
                        PAGE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                       HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr):
+                       HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_ok = offs_d < HALF
@@ -101,7 +105,8 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, num_heads
 
 
 @triton.jit
-def _silu_mul_kernel(GateUp, Out, inter, stride_g, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GateUp, Out, inter, stride_g, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -137,7 +142,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(t,)](
         x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=_row_warps(block))
+        HAS_RES=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+        **pdl.options(x.device))
     return out, res_out
 
 
@@ -171,7 +177,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=k_cache.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half), HQ_PAD=hq_pad,
-        HK_PAD=triton.next_power_of_2(hkv), num_warps=_row_warps(hq_pad * triton.next_power_of_2(half)))
+        HK_PAD=triton.next_power_of_2(hkv), num_warps=_row_warps(hq_pad * triton.next_power_of_2(half)),
+        **pdl.options(q.device))
     return q_out
 
 
@@ -188,7 +195,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=_row_warps(block))
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=_row_warps(block),
+        **pdl.options(gate_up.device))
     return out
 
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specdec.kernels import pdl
+
 MAX_M = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -34,7 +36,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,7 +89,8 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
 
 @triton.jit
 def _splitk_reduce_kernel(WS, B, Y, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -178,17 +182,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     k_per_split, split = split_layout(k, cfg)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
+    launch = pdl.options(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, b, y, ws, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             ws, b, y, m, n, y.stride(0), SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **launch)
     return y
 
 

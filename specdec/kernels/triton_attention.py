@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels import pdl
+
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128   # below this a split's reads no longer pay for its partial write + merge
 # (H200, B=1 ctx 1024 q 8, 32 heads: 8 splits of 128 keys 18.4 us, 4 of 256 22.5 us)
@@ -98,7 +100,8 @@ def _paged_attention_kernel(
         stride_ot, stride_oh, stride_bt,
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr):
+        SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     qtile = tl.program_id(2) // num_splits
@@ -204,7 +207,9 @@ def _merge_rows(Part, lse_offset, row0, row_ok, num_splits, BLOCK_M: tl.constexp
 
 @triton.jit
 def _merge_splits_kernel(Out, Part, num_heads, num_splits, lse_offset, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -224,7 +229,8 @@ def _store_kv_kernel(Kin, Vin, KC, VC, Slots, num_kv_heads,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                     H_PAD: tl.constexpr):
+                     H_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot < 0:  # padded token of a CUDA-graph bucket: owns no slot
@@ -404,6 +410,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         counters = _tile_counters(device, max(4096, triton.next_power_of_2(b * hkv * n_qtiles)))
     else:
         counters = part
+    launch = pdl.options(device)
     _paged_attention_kernel[(b, hkv, n_qtiles * num_splits)](
         q, k_cache, v_cache, out, part, counters, block_tables, context_lens, query_start_loc,
         scale * LOG2E, h, num_splits, lse_offset,
@@ -411,11 +418,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
         G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast, num_warps=warps, num_stages=stages,
+        **launch)
     if split and not inline:
         _merge_splits_kernel[(t, h)](
             out, part, h, num_splits, lse_offset, out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4, **launch)
     return out
 
 
@@ -435,7 +443,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=k_cache.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
-        H_PAD=triton.next_power_of_2(hkv), num_warps=4)
+        H_PAD=triton.next_power_of_2(hkv), num_warps=4, **pdl.options(k.device))
 
 
 class TritonAttention:

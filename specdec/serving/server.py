@@ -107,6 +107,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--no-gemv-kernels", dest="gemv_kernels", action="store_const", const=False,
                    default=None, help="cuBLAS for every linear layer on cuda (default: the Triton GEMV "
                                       "for steps of <= 16 tokens, cuBLAS above)")
+    p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
+                   help="launch the Triton kernels without programmatic dependent launch (default: "
+                        "with it on Hopper and newer GPUs; kernels/pdl.py)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
                                               "draft 1,2; target 1..min(max-num-draft, 8)+1)")
     p.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32",
@@ -138,7 +141,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                               if a.graph_query_lens else None),
             graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
-            gemv_kernels=a.gemv_kernels)
+            gemv_kernels=a.gemv_kernels, pdl=a.pdl)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads)
     except ValueError as e:

@@ -22,6 +22,7 @@ def test_flags_reach_the_engine_config():
     assert not e.cuda_graphs and e.graph_query_lens == (1, 3) and e.graph_batch_sizes == (1, 8)
     assert not e.random_weights and e.gemv_kernels is None
     assert config_from_args("draft", ["--model", "m", "--no-gemv-kernels"])[0].engine.gemv_kernels is False
+    assert e.pdl is None and config_from_args("target", ["--model", "m", "--no-pdl"])[0].engine.pdl is False
     assert config_from_args("target", ["--model", "m", "--random-weights"])[0].engine.random_weights
 
 

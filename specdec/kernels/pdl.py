@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the kernels of a forward.
+
+Inside a CUDA graph a decode step is still a chain of ~10 kernels per layer, and each boundary
+costs the GPU a drain (the last wave of one kernel runs on a few SMs while the rest idle) and a
+launch (the next kernel's blocks are scheduled only after that). With PDL the next kernel is
+launched while the previous one is still running: its blocks become resident as soon as every
+block of the previous kernel has passed `griddepcontrol.launch_dependents`, and wait in
+`griddepcontrol.wait` until the previous kernel has finished and its writes are visible.
+
+The rule every kernel here keeps: `enter(USE_PDL)` is the first thing it does, before any load or
+store. So nothing reads a predecessor's output early or overwrites memory a predecessor still
+reads, and because each kernel's completion implies its predecessor's (it waited for it), the
+ordering of the whole chain is the stream's. Kernels launched without the attribute (torch's,
+cuBLAS) keep plain stream order.
+
+One process-wide switch, read at launch: CUDA graphs keep what they were captured with. Default
+on for compute capability >= 9; `SPECDEC_PDL=0` or `set_enabled(False)` (the servers'
+`--no-pdl`) turns it off. The interpreter (CPU) never uses it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_enabled: bool = os.environ.get("SPECDEC_PDL", "1") != "0"
+
+
+@triton.jit
+def enter(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel in the stream, then let the next one start launching."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def active(device: torch.device) -> bool:
+    return _enabled and _supported(device)
+
+
+def options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch: the kernel's USE_PDL constexpr and Triton's
+    launch_pdl option, both on or both off."""
+    on = active(device)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
+def set_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def forced(enabled_: bool):
+    """Launch (and capture) with PDL on or off inside the block; benchmarks compare both."""
+    old = _enabled
+    set_enabled(enabled_)
+    try:
+        yield
+    finally:
+        set_enabled(old)
