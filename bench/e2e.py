@@ -16,6 +16,7 @@ Sections, in this order (one not started when the deadline would pass is recorde
              with; --agreement -1 gives plain random weights (acceptance ~0); the target server
              stays up while the drafts change
   demo-2gpu  demo pair with the target on cuda:0 and the draft on cuda:1 (two GPUs only)
+  7b-2gpu    the 7B pairs with the target on cuda:0 and the drafts on cuda:1 (two GPUs only)
   hf-7b      transformers generate on the 7B shapes (its own random init, which does not agree:
              only its plain tokens/s goes beside our 7B rows; assisted stays in result["hf"])
 
@@ -25,7 +26,10 @@ the same Verify path), acceptance = accepted/drafted, τ = 1 + accepted/steps, �
 cuda), c_system from the coordinator's metrics when it exposes them, expected speedup τ/(γc + 1)
 against the measured one, whether greedy speculative output equals greedy plain output, and the
 RPC + coordinator overhead per step (step wall time minus the servers' handling, from the
-coordinator's specdec_step_overhead_seconds) beside the step time.
+coordinator's specdec_step_overhead_seconds) beside the step time and the coordinator's propose and
+verify stage times. SPECDEC_PROFILE_DIR=DIR in the environment makes every server write a cProfile of
+its engine thread there at shutdown (specdec/serving/server.py; it slows the servers: profile runs
+are for finding host time, not for the table).
 Writes bench/results/e2e.json (and $OUT/e2e.json).
 """
 from __future__ import annotations
@@ -44,7 +48,7 @@ from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E40
 from services import (DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
                       run_concurrent, summarize, write_shape_folder)
-from specdec.metrics import histogram_mean  # noqa: E402
+from specdec.metrics import STAGES, histogram_mean  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
 # Smoke stand-ins for the 7B pair: random weights through the same code path, CPU-sized.
@@ -58,7 +62,8 @@ TINY = {"target": dict(architectures=["LlamaForCausalLM"], model_type="llama", v
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)}
 # Rough seconds a section needs once started (start-up included); a section starts only if the
 # deadline leaves it this much.
-ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 60, "7b-draft": 20, "demo-2gpu": 30, "hf-7b": 45}
+ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 60, "7b-draft": 20, "demo-2gpu": 30, "7b-2gpu": 60,
+            "hf-7b": 45}
 
 
 class Clock:
@@ -121,6 +126,9 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "overhead_ms_spec": _ms(histogram_mean(m2, "specdec_step_overhead_seconds", m1, mode="spec")),
                    "step_ms_plain": _ms(histogram_mean(m1, "specdec_step_seconds", m0, mode="plain")),
                    "step_ms_spec": _ms(histogram_mean(m2, "specdec_step_seconds", m1, mode="spec")),
+                   # where a speculative step's wall time goes (coordinator stages, means per step)
+                   **{f"{stage}_ms_spec": _ms(histogram_mean(m2, "specdec_stage_seconds", m1, stage=stage))
+                      for stage in STAGES},
                    "target_decode_ms": 1e3 * t_c if t_c else None,
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
@@ -263,7 +271,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, help="tokens per request (default 64; smoke 16)")
     p.add_argument("--waves", type=int, default=3, help="requests per client and measurement")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
-    p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu hf-7b")
+    p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu 7b-2gpu hf-7b")
     p.add_argument("--kv-memory", default="4GiB", help="KV cache of each server on cuda")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -275,7 +283,7 @@ def parse_args(argv=None):
     a.new_tokens = a.new_tokens or (16 if a.smoke else 64)
     if a.smoke:
         a.waves = min(a.waves, 2)
-    default = ["demo-1gpu", "hf-demo", "7b"] + ([] if a.quick else ["demo-2gpu", "hf-7b"])
+    default = ["demo-1gpu", "hf-demo", "7b"] + ([] if a.quick else ["demo-2gpu", "7b-2gpu", "hf-7b"])
     a.sections = a.sections or default
     return a
 
@@ -318,17 +326,24 @@ def main(argv=None) -> int:
                             a.batches, prompts, work / "logs" / "demo-1gpu", clock)
     if section("hf-demo"):
         hf_rows += hf_generate(DEMO_TARGET, [("", DEMO_DRAFT)], "demo", dev0, dtype, prompts[:a.waves], a)
-    if section("7b"):
+    def seven_b_rows(name: str, target_dev: str, draft_dev: str, used_gpus: int) -> list[dict]:
         tdir, drafts = seven_b()
         random = ["--random-weights"]
         agree = (lambda x: ["--random-agreement", str(x)]) if a.agreement >= 0 else (lambda x: [])
-        rows += serve_pairs(a, seven_label, tdir, drafts, dev0, dev0, min(gpus, 1), a.batches_7b,
-                            prompts, work / "logs" / "7b", clock, random + agree(1), random + agree(a.agreement))
+        return serve_pairs(a, seven_label, tdir, drafts, target_dev, draft_dev, used_gpus, a.batches_7b,
+                           prompts, work / "logs" / name, clock, random + agree(1), random + agree(a.agreement))
+
+    if section("7b"):
+        rows += seven_b_rows("7b", dev0, dev0, min(gpus, 1))
     if "demo-2gpu" in a.sections and gpus < 2:
         skipped.append("demo-2gpu (one GPU)")
     elif section("demo-2gpu"):
         rows += serve_pairs(a, "demo", DEMO_TARGET, [("", DEMO_DRAFT)], "cuda:0", "cuda:1", 2,
                             a.batches, prompts, work / "logs" / "demo-2gpu", clock)
+    if "7b-2gpu" in a.sections and gpus < 2:
+        skipped.append("7b-2gpu (one GPU)")
+    elif section("7b-2gpu"):
+        rows += seven_b_rows("7b-2gpu", "cuda:0", "cuda:1", 2)
     if section("hf-7b"):
         tdir, drafts = seven_b()
         hf_rows += hf_generate(tdir, drafts, seven_label, dev0, dtype, prompts[:1], a)
@@ -361,6 +376,8 @@ def main(argv=None) -> int:
         ("expected_system", "expected (c_sys)", ".2f"), ("acceptance", "acc/drafted", ".3f"),
         ("alpha", "alpha", ".3f"), ("tau", "tau", ".2f"), ("c", "c", ".3f"),
         ("c_system", "c_sys", ".3f"), ("greedy_equal", "greedy ==", ".2f"),
+        ("step_ms_spec", "step ms", ".2f"), ("propose_ms_spec", "propose ms", ".2f"),
+        ("verify_ms_spec", "verify ms", ".2f"),
         ("overhead_ms_spec", "overhead ms/step", ".3f"), ("overhead_frac_spec", "of step", ".1%"),
         ("hf_plain_tok_s", "HF tok/s", ".0f"), ("hf_assisted_tok_s", "HF assisted tok/s", ".0f")]))
     if skipped:

@@ -5,8 +5,11 @@ min(1, p_i(x) / q_i(x)); at the first rejection the output is drawn from norm(ma
 when all k are accepted a bonus token is drawn from p_{k+1}. The output then has exactly the target's
 distribution. Sequences may carry different k, 0 included (that is plain decoding from p).
 
-Greedy needs no special path: greedy rows of p (and a greedy draft's q) are one-hot, so the same
-arithmetic accepts while the target's argmax matches and then emits the target's argmax.
+Greedy needs no special arithmetic: greedy rows of p (and a greedy draft's q) are one-hot, so the
+same rule accepts while the target's argmax matches and then emits the target's argmax. A batch
+that is greedy throughout takes that outcome directly (argmax and compare: a few kernels instead of
+the ~40 of probabilities, hashing and inverse-CDF draws, which at decode sizes cost more host time
+to launch than the verify forward's own launches); the tests hold it to the general path.
 draft_probs=None means the drafts were chosen deterministically (q one-hot at the drafted token),
 which is exact for a greedy draft whatever the target samples.
 
@@ -64,8 +67,43 @@ def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     or None; num_draft [B] on the host; tensors: per-sequence params [B]; positions [B]: absolute
     position of each sequence's first draft token (its current length)."""
     counts = _host_counts(num_draft)
+    if tensors.all_greedy:
+        return greedy_accept(target_logits, draft_tokens, counts)
     p = logits_to_probs(target_logits, tensors.repeat([k + 1 for k in counts]))
     return rejection_sample_probs(p, draft_tokens, draft_probs, counts, tensors.seeds, positions)
+
+
+def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, counts: Sequence[int]) -> SpecOutput:
+    """rejection_sample's result when every sequence is greedy: drafts are accepted while they equal
+    the target's argmax, then the target's argmax at the first mismatch (or the bonus row)."""
+    dev = target_logits.device
+    n, m = target_logits.shape[0], sum(counts)
+    if n != m + len(counts) or draft_tokens.shape[0] != m:
+        raise ValueError(f"num_draft {list(counts)} needs {m + len(counts)} target rows and {m} draft "
+                         f"tokens, got {n} and {draft_tokens.shape[0]}")
+    layout, kmax = _layout(counts, m, dev)
+    k, p_start, p_rows, q_rows = layout[:, 0], layout[:, 1], layout[:, 3:kmax + 4], layout[:, kmax + 4:]
+    best = target_logits.float().argmax(-1)                                      # [N]
+    j = torch.arange(kmax + 1, device=dev)[None, :]
+    x = to_device(draft_tokens, dev)[q_rows] if m else torch.zeros_like(p_rows)   # [B, kmax+1]
+    ok = (j < k[:, None]) & (x == best[p_rows])
+    accepted = ok.long().cumprod(1).sum(1)
+    tokens = torch.where(j < accepted[:, None], x, -1)
+    tokens = tokens.scatter(1, accepted[:, None], best[p_start + accepted][:, None])
+    return SpecOutput(accepted=accepted, tokens=tokens, num_emitted=accepted + 1)
+
+
+def _layout(counts: Sequence[int], m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
+    """Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
+    copied in one staged transfer: columns k, p_start, q_start, then kmax+1 target rows (the
+    last repeated past k) and kmax+1 draft rows (clamped) per sequence."""
+    kmax = max(counts, default=0)
+    k = torch.tensor(counts, dtype=torch.int64)
+    p_start, q_start = torch.cumsum(k + 1, 0) - (k + 1), torch.cumsum(k, 0) - k
+    j = torch.arange(kmax + 1)[None, :]
+    p_rows = p_start[:, None] + torch.minimum(j, k[:, None])
+    q_rows = (q_start[:, None] + j).clamp(0, max(m - 1, 0))
+    return to_device(torch.cat([k[:, None], p_start[:, None], q_start[:, None], p_rows, q_rows], 1), dev), kmax
 
 
 def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
@@ -89,15 +127,7 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
     if draft_probs is not None:
         draft_probs = to_device(draft_probs, dev)
 
-    # Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
-    # copied in one staged transfer.
-    k = torch.tensor(counts, dtype=torch.int64)
-    p_start, q_start = torch.cumsum(k + 1, 0) - (k + 1), torch.cumsum(k, 0) - k
-    j = torch.arange(kmax + 1)[None, :]
-    p_rows = p_start[:, None] + torch.minimum(j, k[:, None])
-    q_rows = (q_start[:, None] + j).clamp(0, max(m - 1, 0))
-    layout = torch.cat([k[:, None], p_start[:, None], q_start[:, None], p_rows, q_rows], 1)
-    layout = to_device(layout, dev)
+    layout, _ = _layout(counts, m, dev)
     k, p_start, q_start = layout[:, 0], layout[:, 1], layout[:, 2]
     p_rows, q_rows = layout[:, 3:kmax + 4], layout[:, kmax + 4:]
     j = torch.arange(kmax + 1, device=dev)[None, :]       # made on the device: no copy at all

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import logging
+import os
+import pstats
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,11 +45,14 @@ class EngineRuntime:
     """The engine (None while loading), the single thread every engine call runs on, and the
     server's metrics."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, profile: bool = False) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: ModelEngine | None = None
         self.metrics = metrics
         self.decode_seconds = 0.0  # single-token forward seconds of the step in progress
+        # SPECDEC_PROFILE_DIR: a cProfile of every call on the engine thread after start-up (request
+        # conversion, engine step, response, metrics), written there at shutdown (write_profile).
+        self.profiler = cProfile.Profile() if profile else None
 
     def attach(self, engine: ModelEngine) -> None:
         """Serves `engine` from now on; its profile becomes the exported one (warm-up included)
@@ -67,7 +74,18 @@ class EngineRuntime:
     async def call(self, fn: Callable, *args):
         if self.engine is None:
             raise NotReady("the model is still loading")
+        if self.profiler is not None:
+            fn, args = self.profiler.runcall, (fn, *args)  # only ever used on the engine thread
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def write_profile(self, path_stem: Path) -> None:
+        """<stem>.prof (pstats) and <stem>.txt (the top functions by own and by cumulative time)."""
+        self.profiler.dump_stats(str(path_stem) + ".prof")
+        text = io.StringIO()
+        stats = pstats.Stats(self.profiler, stream=text)
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(40)
+        Path(str(path_stem) + ".txt").write_text(text.getvalue())
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -164,7 +182,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
     the engine on its thread, then reports SERVING until SIGINT/SIGTERM."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    runtime = EngineRuntime(metrics)
+    profile_dir = os.environ.get("SPECDEC_PROFILE_DIR")
+    runtime = EngineRuntime(metrics, profile=bool(profile_dir))
     server = grpc.aio.server(interceptors=[ErrorInterceptor(on_error=metrics.count_error)],
                              options=SERVER_OPTIONS)
     add_servicer(server, runtime)
@@ -202,6 +221,10 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         runtime.executor.shutdown(wait=True, cancel_futures=True)
         if metrics_server is not None:
             metrics_server.close()
+        if profile_dir:
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            runtime.write_profile(Path(profile_dir) / f"{config.role}-{port}")
+            log.info("engine-thread profile written to %s", profile_dir)
 
 
 def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConfig) -> ModelEngine:

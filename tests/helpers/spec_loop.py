@@ -13,6 +13,7 @@ import torch
 
 from specdec.runner import ModelRunner, SeqInput
 from specdec.sampling import SamplingParams, SamplingTensors, SpecCounters, draft_sample, rejection_sample
+from specdec.sampling.rejection import one_hot_probs
 
 
 def greedy_reference(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new: int,
@@ -61,7 +62,8 @@ def speculative_generate(target: ModelRunner, draft: ModelRunner, prompts: Seque
             tok, q = draft_sample(logits, tensors.index(torch.tensor(rows)), pos)
             for r, i in enumerate(rows):
                 drafts[i].append(int(tok[r]))
-                qs[i].append(q[r])
+                # an all-greedy batch's q is one-hot at the token (draft_sample returns None)
+                qs[i].append(q[r] if q is not None else one_hot_probs(tok[r:r + 1], logits.shape[1])[0])
         items = [SeqInput(ids[b], seqs[b][t_cached[b]:] + drafts[i], num_logits=ks[i] + 1)
                  for i, b in enumerate(active)]
         target_logits = torch.cat(target.step(items))                      # [sum(k+1), V]

@@ -1,6 +1,7 @@
 """Rejection sampler: the output has the target's distribution (chi-square), edge cases, batching."""
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import numpy as np
@@ -12,7 +13,7 @@ from specdec.sampling import rejection
 from specdec.sampling.draft import draft_sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.rejection import rejection_sample, rejection_sample_probs
+from specdec.sampling.rejection import one_hot_probs, rejection_sample, rejection_sample_probs
 from specdec.sampling.transport import decode_probs, encode_probs, normalize, round_probs
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
 
@@ -156,6 +157,8 @@ def test_p_equal_q_accepts_everything(params):
     t = tensors_for(params, n)
     positions = torch.zeros(n, dtype=torch.int64)
     toks, qs = zip(*[draft_sample(logits[j].expand(n, -1), t, positions + j) for j in range(k)])
+    # an all-greedy draft returns no q: its distribution is one-hot at the token
+    qs = [q if q is not None else one_hot_probs(x, vocab) for x, q in zip(toks, qs)]
     dt, dp = torch.stack(toks, 1).flatten(), torch.stack(qs, 1).reshape(n * k, vocab)
     p = normalize(dp).reshape(n, k, vocab)                              # the very same q, as the target
     p = torch.cat([p, p[:, :1]], 1).reshape(n * (k + 1), vocab)
@@ -210,6 +213,36 @@ def test_greedy_target_accepts_while_argmax_matches_then_emits_argmax():
     assert out.tokens == [argmax.tolist()]                               # all accepted + bonus argmax
 
 
+def test_all_greedy_shortcut_equals_the_general_path():
+    """rejection_sample and draft_sample take an argmax shortcut when every row is greedy; the
+    general arithmetic (one-hot p and q, hashed uniforms, inverse-CDF draws) must give the same
+    tokens. Drafts copy the target's argmax for a random prefix, so every accepted count occurs."""
+    gen = torch.Generator().manual_seed(21)
+    vocab, counts = 40, [4, 0, 1, 4, 2, 3, 0, 4]
+    logits = torch.randn(sum(counts) + len(counts), vocab, generator=gen)
+    best = logits.argmax(-1)
+    drafts, row = [], 0
+    for k in counts:
+        keep = int(torch.randint(0, k + 1, (1,), generator=gen))
+        for j in range(k):
+            drafts.append(int(best[row + j]) if j < keep else (int(best[row + j]) + 1) % vocab)
+        row += k + 1
+    drafts = torch.tensor(drafts)
+    t = tensors_for(SamplingParams(), len(counts))
+    assert t.all_greedy
+    positions = list(range(3, 3 + len(counts)))
+    fast = rejection_sample(logits, drafts, None, counts, t, positions).to_host()
+    general = rejection_sample_probs(logits_to_probs(logits, t.repeat([k + 1 for k in counts])), drafts, None,
+                                     counts, t.seeds, positions).to_host()
+    assert fast == general
+    assert sorted(set(fast.accepted)) == sorted(set(fast.accepted) | {0, 4}) and len(set(fast.accepted)) >= 3
+    t = tensors_for(SamplingParams(), len(logits))
+    tok, q = draft_sample(logits, t, torch.arange(len(logits)))
+    general_tok, general_q = draft_sample(logits, dataclasses.replace(t, all_greedy=False), torch.arange(len(logits)))
+    assert q is None and torch.equal(tok, best) and torch.equal(general_tok, best)
+    assert torch.equal(general_q, one_hot_probs(best, vocab))
+
+
 def test_sampled_draft_against_greedy_target_is_greedy():
     vocab, n = 16, 500
     target = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4))
@@ -249,7 +282,7 @@ def test_seeded_row_is_independent_of_batch_composition():
             for j in range(ks[b]):
                 tok, q = draft_sample(draft_logits[j][None], tb, pos[b:b + 1] + j)
                 toks.append(tok)
-                qs.append(q)
+                qs.append(q if q is not None else one_hot_probs(tok, vocab))  # greedy: one-hot
         dt = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.int64)
         dp = torch.cat(qs) if qs else torch.zeros(0, vocab)
         rows = torch.cat([torch.arange(k + 1) for k in ks])
@@ -315,5 +348,7 @@ def test_same_output_on_cuda_without_host_sync():
         dt, dp = torch.stack(toks, 1)[sel], torch.stack(qs, 1)[sel]
         with sync_is_an_error(dev):
             out = rejection_sample(logits, dt, dp, counts, t, [0] * n)
-        results.append(out.to_host())
+            greedy = rejection_sample(logits, dt, None, counts,  # the all-greedy shortcut
+                                      SamplingTensors.from_params([SamplingParams()] * n, dev), [0] * n)
+        results.append((out.to_host(), greedy.to_host()))
     assert results[0] == results[1]
