@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runner import ForwardBatch
+from specdec.staging import PackedBuffer
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -26,8 +27,10 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch       # the static input buffers
+    batch: ForwardBatch       # the static input buffers (views of `packed`)
+    packed: PackedBuffer      # ... refilled by one host-to-device copy per staged step
     logits: torch.Tensor      # [bucket * q, V] static output
+    serial: int = 0           # steps staged so far (a staged batch carries the serial it got)
 
 
 class GraphedForward:
@@ -53,21 +56,58 @@ class GraphedForward:
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
 
-    def _static_batch(self, b: int, q: int) -> ForwardBatch:
-        dev, t = self.device, b * q
-        return ForwardBatch(
-            input_ids=torch.zeros(t, dtype=torch.int64, device=dev),
-            positions=torch.zeros(t, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=torch.arange(0, t + 1, q, dtype=torch.int32, device=dev),
-            context_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev),
-            logits_indices=torch.arange(t, dtype=torch.int64, device=dev),
-            query_lens_host=[q] * b, context_lens_host=[self.max_context] * b)
+    def _layout(self, b: int, q: int) -> list[tuple[int, torch.dtype]]:
+        """The static inputs of bucket (b, q) in one packed buffer: input ids, positions, slots,
+        query_start_loc, context_lens, block tables (row-major), logits rows."""
+        t, i64, i32 = b * q, torch.int64, torch.int32
+        return [(t, i64), (t, i64), (t, i64), (b + 1, i32), (b, i32), (b * self.max_blocks, i32), (t, i64)]
+
+    def _fill(self, packed: PackedBuffer, b: int, q: int, ids, positions, slots, starts, ctx_lens,
+              tables, logit_rows) -> list[torch.Tensor]:
+        """Pads one step's host arrays to bucket (b, q) and writes them in one copy. Padding tokens
+        get slot -1 (no KV write), padding sequences empty query spans."""
+        cap, t, n, width = b * q, len(ids), len(starts) - 1, self.max_blocks
+        table = []
+        for row in tables:
+            table += row
+            table += [0] * (width - len(row))
+        table += [0] * (width * (b - n))
+        return packed.fill([ids + [0] * (cap - t), positions + [0] * (cap - t), slots + [-1] * (cap - t),
+                            starts + [t] * (b - n), ctx_lens + [q] * (b - n), table,
+                            logit_rows + [0] * (cap - len(logit_rows))])
+
+    def _static_batch(self, b: int, q: int) -> tuple[ForwardBatch, PackedBuffer]:
+        packed = PackedBuffer(self._layout(b, q), self.device)
+        t = b * q
+        v = self._fill(packed, b, q, [0] * t, [0] * t, [-1] * t, list(range(0, t + 1, q)), [q] * b,
+                       [[0] * self.max_blocks] * b, list(range(t)))
+        batch = ForwardBatch(input_ids=v[0], positions=v[1], slot_mapping=v[2], query_start_loc=v[3],
+                             context_lens=v[4], block_tables=v[5].view(b, self.max_blocks), logits_indices=v[6],
+                             query_lens_host=[q] * b, context_lens_host=[self.max_context] * b)
+        return batch, packed
+
+    def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows,
+              query_lens: list[int]) -> ForwardBatch | None:
+        """A step's host arrays (runner.prepare's) written straight into the static inputs of the
+        graph that will run it, in one copy; None when no graph fits (the step runs eagerly)."""
+        n = len(query_lens)
+        key = self._bucket(n, max(query_lens), max(len(t) for t in tables))
+        if key is None:
+            return None
+        b, q = key
+        g = self.graphs[key]
+        v = self._fill(g.packed, b, q, ids, positions, slots, starts, ctx_lens, tables, logit_rows)
+        g.serial += 1
+        t = len(ids)
+        return ForwardBatch(input_ids=v[0][:t], positions=v[1][:t], slot_mapping=v[2][:t],
+                            query_start_loc=v[3][:n + 1], context_lens=v[4][:n],
+                            block_tables=v[5].view(b, self.max_blocks)[:n], logits_indices=v[6][:len(logit_rows)],
+                            query_lens_host=list(query_lens), context_lens_host=list(ctx_lens),
+                            graph_key=(b, q, g.serial))
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, pool) -> _Graph:
-        batch = self._static_batch(b, q)
+        batch, packed = self._static_batch(b, q)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -77,14 +117,16 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self._model(batch, self._kv, self._backend)
-        return _Graph(graph, batch, logits)
+        return _Graph(graph, batch, packed, logits)
 
     def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        """The graph that can run this batch, or None (eager): every query within a captured length,
-        no more sequences than the largest bucket, a context within max_model_len."""
-        q_max = max(batch.query_lens_host)
-        n = len(batch.query_lens_host)
-        if batch.block_tables.shape[1] > self.max_blocks:
+        """The graph that can run this batch, or None (eager)."""
+        return self._bucket(len(batch.query_lens_host), max(batch.query_lens_host), batch.block_tables.shape[1])
+
+    def _bucket(self, n: int, q_max: int, width: int) -> tuple[int, int] | None:
+        """Every query within a captured length, no more sequences than the largest bucket, a
+        context within max_model_len: the smallest such q, then the smallest b."""
+        if width > self.max_blocks:
             return None
         for q in self.query_lens:
             if q < q_max:
@@ -96,6 +138,8 @@ class GraphedForward:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if batch.graph_key is not None:
+            return self._replay_staged(batch)
         key = self.bucket(batch)
         if key is None:
             return None
@@ -114,6 +158,23 @@ class GraphedForward:
         width = batch.block_tables.shape[1]
         s.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
         g.graph.replay()
+        return self._outputs(g, batch, t)
+
+    def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
+        b, q, serial = batch.graph_key
+        g = self.graphs[(b, q)]
+        if serial != g.serial:
+            raise RuntimeError(f"this batch's static inputs (graph {b}x{q}) were overwritten by a later "
+                               "prepare(): forward a staged batch before preparing the next one")
+        t = batch.input_ids.numel()
+        if batch.input_ids.data_ptr() != g.batch.input_ids.data_ptr():  # ids replaced on the device
+            g.batch.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        self.replays += 1
+        g.graph.replay()
+        return self._outputs(g, batch, t)
+
+    @staticmethod
+    def _outputs(g: _Graph, batch: ForwardBatch, t: int) -> torch.Tensor:
         if batch.logits_indices.numel() == t:  # logits of every token (rows are sorted and unique)
             return g.logits[:t]
         return g.logits.index_select(0, batch.logits_indices)

@@ -162,6 +162,7 @@ class _ProcessMetrics:
         self.role = role
         self.registry = registry
         self._m = _build(specs, registry)
+        self._children: dict[tuple, object] = {}
         # Labelled series exist at zero from the start (Prometheus advice: avoid missing metrics):
         # rate() then has a sample from before the first event, and error ratios read 0, not empty.
         for code in STATUS_CODES[1:]:
@@ -170,11 +171,20 @@ class _ProcessMetrics:
             self._m["specdec_rpc_seconds"].labels(role=role, rpc=rpc)
         self._m["specdec_running_sequences"].labels(role=role).set(0)
 
+    def _child(self, name: str, **labels: str):
+        """The labelled series of metric `name`, looked up once (labels() takes a lock and
+        validates the labels on every call: several per step on the model servers)."""
+        key = (name, *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._m[name].labels(**labels)
+        return child
+
     def observe_rpc(self, rpc: str, seconds: float) -> None:
-        self._m["specdec_rpc_seconds"].labels(role=self.role, rpc=rpc).observe(seconds)
+        self._child("specdec_rpc_seconds", role=self.role, rpc=rpc).observe(seconds)
 
     def set_running(self, n: int) -> None:
-        self._m["specdec_running_sequences"].labels(role=self.role).set(n)
+        self._child("specdec_running_sequences", role=self.role).set(n)
 
     def count_error(self, code: str, n: int = 1) -> None:
         self._m["specdec_errors_total"].labels(role=self.role, code=code).inc(n)
@@ -202,20 +212,19 @@ class ServerMetrics(_ProcessMetrics):
 
     def watch_profile(self, profile: CostProfile) -> None:
         """Exports `profile` (its current entries and every later change) as the profile gauge."""
-        gauge = self._m["specdec_forward_profile_seconds"]
         self.profile = profile
-        profile.subscribe(lambda b, q, s: gauge.labels(role=self.role, batch=str(b),
-                                                       query_len=str(q)).set(s))
+        profile.subscribe(lambda b, q, s: self._child("specdec_forward_profile_seconds", role=self.role,
+                                                      batch=str(b), query_len=str(q)).set(s))
 
     def observe_forward(self, phase: str, batch_size: int, seconds: float) -> None:
         """One forward of `batch_size` sequences in `phase` (PHASES), device seconds."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        self._m["specdec_forward_seconds"].labels(role=self.role, phase=phase).observe(seconds)
+        self._child("specdec_forward_seconds", role=self.role, phase=phase).observe(seconds)
 
     def set_kv(self, used: int, free: int) -> None:
-        self._m["specdec_kv_blocks_used"].labels(role=self.role).set(used)
-        self._m["specdec_kv_blocks_free"].labels(role=self.role).set(free)
+        self._child("specdec_kv_blocks_used", role=self.role).set(used)
+        self._child("specdec_kv_blocks_free", role=self.role).set(free)
 
 
 class CoordinatorMetrics(_ProcessMetrics):

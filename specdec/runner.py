@@ -40,6 +40,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor   # [N] int64, rows of T whose logits are returned
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # Set when the tensors are a CUDA graph's static inputs, staged by prepare(): (batch bucket,
+    # query bucket, staging serial). The graph replays them as they are (no copies); a later
+    # prepare for the same bucket overwrites them, which forward() detects.
+    graph_key: tuple[int, int, int] | None = None
 
     @property
     def max_query_len(self) -> int:
@@ -105,6 +109,11 @@ class ModelRunner:
             ctx_lens.append(start + n)
             tables.append(self.blocks.block_table(item.seq_id))
         width = max(len(t) for t in tables)
+        if self.graphs is not None:  # straight into a graph's static inputs, when one fits
+            staged = self.graphs.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows,
+                                       [len(i.token_ids) for i in items])
+            if staged is not None:
+                return staged
         table = []  # [B, width] row-major, padded with 0
         for t in tables:
             table += t

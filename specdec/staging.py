@@ -37,21 +37,57 @@ def as_device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device 
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def _pack_host(arrays: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[bytearray, list[tuple[int, int, torch.dtype]]]:
+    """The packed host bytes of integer arrays and each one's (byte offset, length, dtype)."""
+    buf, spans = bytearray(), []
+    for values, dtype in arrays:
+        if dtype not in _TYPECODES:
+            raise ValueError(f"pack: {dtype} is not one of {list(_TYPECODES)}")
+        spans.append((len(buf), len(values), dtype))
+        buf += array(_TYPECODES[dtype], values).tobytes()
+        buf += bytes(-len(buf) % PACK_ALIGN)
+    return buf, spans
+
+
+def _views(packed: torch.Tensor, spans) -> list[torch.Tensor]:
+    return [packed[off:off + n * dtype.itemsize].view(dtype) for off, n, dtype in spans]
+
+
 def pack_to_device(arrays: Sequence[tuple[Sequence[int], torch.dtype]],
                    device: torch.device | str) -> list[torch.Tensor]:
     """Integer arrays (int64 or int32) on `device` through one host-to-device copy instead of one
     per array: packed into one host buffer, each at a PACK_ALIGN-byte offset, staged as to_device
     does, and returned as 1-D views of the copy in the given order. (A step's index tensors are
     seven small arrays: on the GPU each separate copy is a pin and a cudaMemcpyAsync of host time.)"""
-    buf, spans = bytearray(), []
-    for values, dtype in arrays:
-        if dtype not in _TYPECODES:
-            raise ValueError(f"pack_to_device: {dtype} is not one of {list(_TYPECODES)}")
-        spans.append((len(buf), len(values), dtype))
-        buf += array(_TYPECODES[dtype], values).tobytes()
-        buf += bytes(-len(buf) % PACK_ALIGN)
+    buf, spans = _pack_host(arrays)
     if not buf:
         return [torch.empty(0, dtype=dtype, device=device) for _, _, dtype in spans]
     # On the CPU the views share `buf` (frombuffer keeps it alive); it is never touched again here.
-    packed = to_device(torch.frombuffer(buf, dtype=torch.uint8), device)
-    return [packed[off:off + n * dtype.itemsize].view(dtype) for off, n, dtype in spans]
+    return _views(to_device(torch.frombuffer(buf, dtype=torch.uint8), device), spans)
+
+
+class PackedBuffer:
+    """Fixed device views of integer arrays of fixed lengths in one buffer, laid out as
+    pack_to_device lays them out, refilled by one host-to-device copy (`fill`). CUDA graphs keep
+    their static inputs here: a replay's inputs arrive in one copy, with no device-side copies
+    into the graph's buffers."""
+
+    def __init__(self, layout: Sequence[tuple[int, torch.dtype]], device: torch.device | str):
+        self.layout = [(n, dtype) for n, dtype in layout]
+        _, self.spans = _pack_host([([0] * n, dtype) for n, dtype in self.layout])
+        size = self.spans[-1][0] + self.spans[-1][1] * self.spans[-1][2].itemsize if self.spans else 0
+        self.buffer = torch.zeros(size + (-size % PACK_ALIGN), dtype=torch.uint8, device=device)
+        self.views = _views(self.buffer, self.spans)
+
+    @torch.inference_mode()  # the buffer may be an inference tensor (made during graph capture)
+    def fill(self, arrays: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Writes each array (exactly its slot's length) in one staged copy; returns the views."""
+        if len(arrays) != len(self.layout) or any(len(a) != n for a, (n, _) in zip(arrays, self.layout)):
+            raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
+                             f"layout {[n for n, _ in self.layout]}")
+        buf, _ = _pack_host([(a, dtype) for a, (_, dtype) in zip(arrays, self.layout)])
+        host = torch.frombuffer(buf, dtype=torch.uint8)
+        cuda = self.buffer.is_cuda
+        # Pinned: a DMA queued on the stream (after any replay still reading the buffer), no sync.
+        self.buffer[:len(buf)].copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+        return self.views

@@ -12,7 +12,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.runner import SeqInput
-from specdec.sampling.draft import draft_sample
+from specdec.sampling.draft import draft_sample, greedy_tokens
 from specdec.sampling.probs import SamplingTensors
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine
@@ -116,12 +116,18 @@ class DraftEngine(ModelEngine):
         on the device and are fed back as the next forward's input ids: the step synchronises
         once, when they are copied out at the end, not once per position."""
         active = [i for i, p in enumerate(plans) if p.seq.num_draft]
-        params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
+        # All greedy: the drafts are the argmaxes (draft_sample's all-greedy result) and no sampling
+        # parameters or positions are staged (four pinned host-to-device copies a step).
+        greedy = all(plans[i].seq.sampling.greedy for i in active)
         rows = list(range(len(active)))  # rows of the first position still drafting
         # The drafting rows' sampling parameters and positions live on the device and are narrowed
         # there when sequences finish: a step's only host-to-device copies are its batches' index
         # tensors (one each) and, where a sequence drops out, the index of the rows kept.
-        positions = as_device_tensor([len(plans[i].tokens) for i in active], torch.int64, self.device)
+        if greedy:
+            params = positions = None
+        else:
+            params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
+            positions = as_device_tensor([len(plans[i].tokens) for i in active], torch.int64, self.device)
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
@@ -135,7 +141,10 @@ class DraftEngine(ModelEngine):
                 logits = self.runner.forward(batch)                             # [len(rows), V]
             if not rows:
                 break
-            tokens, q = draft_sample(logits, params, positions + step, self.config.probs_dtype)
+            if greedy:
+                tokens, q = greedy_tokens(logits), None
+            else:
+                tokens, q = draft_sample(logits, params, positions + step, self.config.probs_dtype)
             steps.append((rows, tokens, q))
             step += 1
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
@@ -145,7 +154,8 @@ class DraftEngine(ModelEngine):
             if len(keep) < len(rows):
                 kept = as_device_tensor(keep, torch.int64, self.device)
                 fed = tokens.index_select(0, kept)
-                positions, params = positions.index_select(0, kept), params.index(kept)
+                if not greedy:
+                    positions, params = positions.index_select(0, kept), params.index(kept)
             rows = [rows[j] for j in keep]
             items = [SeqInput(plans[active[r]].seq.seq_id, [0]) for r in rows]
         drafted: list[list[int]] = [[] for _ in plans]

@@ -10,7 +10,7 @@ import torch
 
 from specdec.runner import SeqInput
 from specdec.sampling.probs import SamplingTensors
-from specdec.sampling.rejection import one_hot_probs, rejection_sample
+from specdec.sampling.rejection import greedy_accept, one_hot_probs, rejection_sample
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
@@ -115,9 +115,14 @@ class TargetEngine(ModelEngine):
         flat_logits = torch.cat([logits[i] for i in scored])                  # [sum(k+1), V]
         drafts = [t for p in sp for t in p.seq.draft_tokens]
         draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
-        out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
-                               SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
-                               [p.first_draft_position for p in sp]).to_host()
+        if all(p.seq.sampling.greedy for p in sp):
+            # rejection_sample's all-greedy result, without staging sampling parameters (three
+            # pinned host-to-device copies) or draft rows (greedy drafts need none).
+            out = greedy_accept(flat_logits, draft_tokens, counts).to_host()
+        else:
+            out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
+                                   SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
+                                   [p.first_draft_position for p in sp]).to_host()
         for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
             results[i] = (accepted, tokens[-1])
         return results

@@ -9,6 +9,11 @@ from specdec.sampling.transport import round_probs, sample_from
 from specdec.staging import to_device
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64 argmax: what sampling gives on greedy rows (ties: the lowest id)."""
+    return logits.float().argmax(-1)
+
+
 def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor,
                  transport_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V], positions [B] int64 (absolute position of the token being drafted)
@@ -21,7 +26,7 @@ def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torc
     position, the same tokens).
     """
     if tensors.all_greedy:
-        return logits.float().argmax(-1), None
+        return greedy_tokens(logits), None
     q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
     u = uniform(tensors.seeds, to_device(positions, tensors.seeds.device), DRAFT)
     return sample_from(q, u), q

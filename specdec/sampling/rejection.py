@@ -96,14 +96,16 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, count
 def _layout(counts: Sequence[int], m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
     copied in one staged transfer: columns k, p_start, q_start, then kmax+1 target rows (the
-    last repeated past k) and kmax+1 draft rows (clamped) per sequence."""
+    last repeated past k) and kmax+1 draft rows (clamped) per sequence. Built in Python: the
+    dozen tiny host tensor ops it took before cost more than the lists."""
     kmax = max(counts, default=0)
-    k = torch.tensor(counts, dtype=torch.int64)
-    p_start, q_start = torch.cumsum(k + 1, 0) - (k + 1), torch.cumsum(k, 0) - k
-    j = torch.arange(kmax + 1)[None, :]
-    p_rows = p_start[:, None] + torch.minimum(j, k[:, None])
-    q_rows = (q_start[:, None] + j).clamp(0, max(m - 1, 0))
-    return to_device(torch.cat([k[:, None], p_start[:, None], q_start[:, None], p_rows, q_rows], 1), dev), kmax
+    rows, p0, q0, last = [], 0, 0, max(m - 1, 0)
+    for k in counts:
+        rows.append([k, p0, q0, *(p0 + min(j, k) for j in range(kmax + 1)),
+                     *(min(q0 + j, last) for j in range(kmax + 1))])
+        p0, q0 = p0 + k + 1, q0 + k
+    layout = torch.tensor(rows, dtype=torch.int64).reshape(len(counts), 2 * kmax + 5)
+    return to_device(layout, dev), kmax
 
 
 def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tensor,

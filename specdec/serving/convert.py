@@ -104,7 +104,10 @@ def error_to_pb(error: SeqError | None) -> pb.SeqError | None:
 
 
 def timing_to_pb(t: StepTiming) -> pb.StepTiming:
-    return pb.StepTiming(**asdict(t))
+    # Field by field: dataclasses.asdict deep-copies recursively (~20 us a step on the servers).
+    return pb.StepTiming(forward_seconds=t.forward_seconds, step_seconds=t.step_seconds,
+                         batch_size=t.batch_size, num_forwards=t.num_forwards,
+                         decode_forward_seconds=t.decode_forward_seconds)
 
 
 def info_to_pb(info: ModelInfo) -> pb.ModelInfo:

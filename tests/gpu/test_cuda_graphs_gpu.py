@@ -1,4 +1,6 @@
 """Graph replays give the eager forward's logits, for decode and verify buckets with padding."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,3 +29,29 @@ def test_graph_replay_matches_eager(tmp_path):
         torch.testing.assert_close(graphed, eager, atol=2e-4, rtol=0)
     # padding rows wrote nothing (slot -1): both caches hold exactly the same K/V everywhere
     torch.testing.assert_close(runners[1].kv.data, runners[0].kv.data, atol=2e-4, rtol=0)
+
+
+def test_prepare_stages_into_the_graph_and_catches_an_overwritten_batch(tmp_path):
+    """prepare() writes a graph-sized step straight into that graph's static inputs (one copy);
+    device-side input ids (the draft loop's) replace the staged ones; a batch whose inputs a
+    later prepare() overwrote is refused instead of replaying someone else's step."""
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1,), batch_sizes=(2, 4))
+    eager, graphed = runners
+    for runner in runners:
+        for s, ids in prompts.items():
+            runner.add_sequence(s)
+        runner.step([SeqInput(s, ids, 1) for s, ids in prompts.items()])
+    staged = graphed.prepare([SeqInput(0, [5]), SeqInput(1, [6])])
+    key = staged.graph_key
+    assert key is not None and key[:2] == (2, 1)
+    static = graphed.graphs.graphs[(2, 1)].batch
+    assert staged.slot_mapping.data_ptr() == static.slot_mapping.data_ptr()
+    fed = torch.tensor([9, 10], device="cuda")                           # ids produced on the device
+    got = graphed.forward(dataclasses.replace(staged, input_ids=fed))
+    want = eager.forward(eager.prepare([SeqInput(0, [9]), SeqInput(1, [10])]))
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    first = graphed.prepare([SeqInput(0, [1]), SeqInput(1, [2])])
+    second = graphed.prepare([SeqInput(2, [3]), SeqInput(1, [4])])
+    with pytest.raises(RuntimeError, match="overwritten"):
+        graphed.forward(first)
+    assert torch.isfinite(graphed.forward(second)).all()

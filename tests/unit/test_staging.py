@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.staging import PACK_ALIGN, pack_to_device
+from specdec.staging import PACK_ALIGN, PackedBuffer, pack_to_device
 from tests.helpers.op_sets import STEPS, new_runner, tiny_config
 from specdec.models.loader import build_model, init_random
 
@@ -61,3 +61,23 @@ def test_runner_batches_are_views_of_one_buffer_with_the_right_contents():
     assert batch.block_tables.shape == (2, 3) and batch.block_tables[0, 2].item() == 0  # padded row
     assert batch.slot_mapping.tolist() == [
         runner.blocks.block_table(s)[i // 4] * 4 + i % 4 for s, n in (("a", 5), ("b", 11)) for i in range(n)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_buffer_keeps_its_views_and_refills_them_in_place(device):
+    """A CUDA graph's static inputs: fixed views (the same pointers every step), laid out as
+    pack_to_device lays out the same lengths, refilled by fill() with one copy."""
+    layout = [(3, torch.int64), (2, torch.int32), (5, torch.int32), (1, torch.int64)]
+    with torch.inference_mode():  # as graph capture makes it; filled outside inference mode
+        buf = PackedBuffer(layout, device)
+    ptrs = [v.data_ptr() for v in buf.views]
+    first = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [2**40]]
+    second = [[-1, 0, 1], [9, 9], [0, 0, 0, 0, -3], [7]]
+    for arrays in (first, second):
+        out = buf.fill(arrays)
+        assert [v.data_ptr() for v in out] == ptrs
+        assert [v.tolist() for v in out] == arrays and [v.dtype for v in out] == [d for _, d in layout]
+    reference = pack_to_device([(a, d) for a, (_, d) in zip(first, layout)], device)
+    assert [r.data_ptr() - reference[0].data_ptr() for r in reference] == [p - ptrs[0] for p in ptrs]
+    with pytest.raises(ValueError, match="lengths"):
+        buf.fill([[1, 2], [4, 5], [6, 7, 8, 9, 10], [1]])
