@@ -58,7 +58,8 @@ class GraphedForward:
 
     def _layout(self, b: int, q: int) -> list[tuple[int, torch.dtype]]:
         """The static inputs of bucket (b, q) in one packed buffer: input ids, positions, slots,
-        query_start_loc, context_lens, block tables (row-major), logits rows."""
+        query_start_loc, context_lens, block tables (row-major); then the rows whose logits a
+        staged step returns (read after the replay, not by the graph)."""
         t, i64, i32 = b * q, torch.int64, torch.int32
         return [(t, i64), (t, i64), (t, i64), (b + 1, i32), (b, i32), (b * self.max_blocks, i32), (t, i64)]
 
@@ -81,8 +82,11 @@ class GraphedForward:
         t = b * q
         v = self._fill(packed, b, q, [0] * t, [0] * t, [-1] * t, list(range(0, t + 1, q)), [q] * b,
                        [[0] * self.max_blocks] * b, list(range(t)))
+        # The graph computes logits for every row; the packed rows segment (v[6]) only tells
+        # _outputs which of them a staged step asked for, so the graph must not read it.
         batch = ForwardBatch(input_ids=v[0], positions=v[1], slot_mapping=v[2], query_start_loc=v[3],
-                             context_lens=v[4], block_tables=v[5].view(b, self.max_blocks), logits_indices=v[6],
+                             context_lens=v[4], block_tables=v[5].view(b, self.max_blocks),
+                             logits_indices=torch.arange(t, dtype=torch.int64, device=self.device),
                              query_lens_host=[q] * b, context_lens_host=[self.max_context] * b)
         return batch, packed
 
