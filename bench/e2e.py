@@ -27,9 +27,9 @@ cuda), c_system from the coordinator's metrics when it exposes them, expected sp
 against the measured one, whether greedy speculative output equals greedy plain output, and the
 RPC + coordinator overhead per step (step wall time minus the servers' handling, from the
 coordinator's specdec_step_overhead_seconds) beside the step time and the coordinator's propose and
-verify stage times. SPECDEC_PROFILE_DIR=DIR in the environment makes every server write a cProfile of
-its engine thread there at shutdown (specdec/serving/server.py; it slows the servers: profile runs
-are for finding host time, not for the table).
+verify stage times. SPECDEC_PROFILE_DIR=DIR in the environment makes every server (engine thread) and
+the coordinator (event loop) write a cProfile there at shutdown (specdec/profiling.py; it slows them
+down: profile runs are for finding host time, not for the table).
 Writes bench/results/e2e.json (and $OUT/e2e.json).
 """
 from __future__ import annotations

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import logging
 import sys
 
@@ -66,12 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.metrics import CoordinatorMetrics
     disable_created_metrics()  # no *_created series: half the exposition, nothing a panel reads
     metrics = CoordinatorMetrics(CollectorRegistry(), max_positions=config.max_num_draft)
+    from specdec.profiling import profile_dir, write_profile
+    profiler = cProfile.Profile() if profile_dir() is not None else None  # the event loop's thread
     try:
+        if profiler is not None:
+            profiler.enable()
         asyncio.run(serve(config, metrics))
     except (IncompatibleModels, TokenizerError, ConnectionError) as e:
         logging.getLogger("specdec.coordinator").error("%s", e)
         print(f"coordinator: {e}", file=sys.stderr)
         return 1
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            write_profile(profiler, "coordinator")
     return 0
 
 

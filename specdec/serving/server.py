@@ -6,10 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import io
 import logging
-import os
-import pstats
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +24,7 @@ from specdec.config import ConfigError, EngineConfig, ServerConfig, parse_dtype,
 from specdec.engine.base import ModelEngine
 from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
+from specdec.profiling import profile_dir, write_profile
 from specdec.serving.errors import ErrorInterceptor, NotReady
 
 log = logging.getLogger(__name__)
@@ -51,7 +49,7 @@ class EngineRuntime:
         self.metrics = metrics
         self.decode_seconds = 0.0  # single-token forward seconds of the step in progress
         # SPECDEC_PROFILE_DIR: a cProfile of every call on the engine thread after start-up (request
-        # conversion, engine step, response, metrics), written there at shutdown (write_profile).
+        # conversion, engine step, response, metrics), written there at shutdown (specdec/profiling.py).
         self.profiler = cProfile.Profile() if profile else None
 
     def attach(self, engine: ModelEngine) -> None:
@@ -77,15 +75,6 @@ class EngineRuntime:
         if self.profiler is not None:
             fn, args = self.profiler.runcall, (fn, *args)  # only ever used on the engine thread
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def write_profile(self, path_stem: Path) -> None:
-        """<stem>.prof (pstats) and <stem>.txt (the top functions by own and by cumulative time)."""
-        self.profiler.dump_stats(str(path_stem) + ".prof")
-        text = io.StringIO()
-        stats = pstats.Stats(self.profiler, stream=text)
-        for key in ("tottime", "cumulative"):
-            stats.sort_stats(key).print_stats(40)
-        Path(str(path_stem) + ".txt").write_text(text.getvalue())
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -182,8 +171,7 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
     the engine on its thread, then reports SERVING until SIGINT/SIGTERM."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    profile_dir = os.environ.get("SPECDEC_PROFILE_DIR")
-    runtime = EngineRuntime(metrics, profile=bool(profile_dir))
+    runtime = EngineRuntime(metrics, profile=profile_dir() is not None)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(on_error=metrics.count_error)],
                              options=SERVER_OPTIONS)
     add_servicer(server, runtime)
@@ -221,10 +209,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         runtime.executor.shutdown(wait=True, cancel_futures=True)
         if metrics_server is not None:
             metrics_server.close()
-        if profile_dir:
-            Path(profile_dir).mkdir(parents=True, exist_ok=True)
-            runtime.write_profile(Path(profile_dir) / f"{config.role}-{port}")
-            log.info("engine-thread profile written to %s", profile_dir)
+        if runtime.profiler is not None:
+            log.info("engine-thread profile written to %s", write_profile(runtime.profiler, config.role))
 
 
 def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConfig) -> ModelEngine:

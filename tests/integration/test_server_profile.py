@@ -1,5 +1,6 @@
-"""SPECDEC_PROFILE_DIR: each model server profiles its engine thread and writes the profile at
-shutdown (what bench/e2e.py uses to find host time per step)."""
+"""SPECDEC_PROFILE_DIR: each model server profiles its engine thread, the coordinator its event
+loop, and each writes its profile at shutdown (specdec/profiling.py; how host time per step was
+found)."""
 from __future__ import annotations
 
 import pstats
@@ -15,7 +16,7 @@ def test_servers_write_engine_thread_profiles(tmp_path, monkeypatch):
         with Client(cluster.coordinator) as client:
             chunks = list(client.generate("def add(a, b):", max_new_tokens=12, ignore_eos=True))
         assert sum(len(c.token_ids) for c in chunks) == 12
-    for role, step in (("draft", "propose"), ("target", "verify")):
+    for role, step in (("draft", "propose"), ("target", "verify"), ("coordinator", "_step")):
         [prof] = out.glob(f"{role}-*.prof")
         stats = pstats.Stats(str(prof)).stats
         calls = {fn[2]: s[1] for fn, s in stats.items()}  # function name -> number of calls
