@@ -14,6 +14,7 @@ host values.
 from __future__ import annotations
 
 import gc
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,9 @@ from specdec.runner import ForwardBatch
 from specdec.staging import PackedBuffer
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Stamps of what a graph's static inputs hold, unique across every GraphedForward of the process: a
+# staged batch replays only while its graph still holds it (and only on the graphs that staged it).
+_STAMPS = itertools.count(1)
 
 
 @dataclass
@@ -30,14 +34,13 @@ class _Graph:
     batch: ForwardBatch       # the static input buffers (views of `packed`)
     packed: PackedBuffer      # ... refilled by one host-to-device copy per staged step
     logits: torch.Tensor      # [bucket * q, V] static output
-    serial: int = 0           # steps staged so far (a staged batch carries the serial it got)
+    stamp: int = 0            # what the static inputs hold now (a staged batch carries its stamp)
 
 
 class GraphedForward:
     def __init__(self, runner, max_model_len: int, query_lens: tuple[int, ...] = (1,),
                  batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
-        if runner.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+        self._check_device(runner.device)
         # Hold the runner's parts, not the runner: runner -> graphs -> runner would be a reference
         # cycle, freed by the garbage collector at an arbitrary time, and a CUDA graph freed while
         # another capture is in progress invalidates that capture (seen on the H200).
@@ -50,11 +53,20 @@ class GraphedForward:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # forwards served by a graph (tests and logs check the GPU path uses them)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._new_pool()
         # Largest first: later, smaller captures reuse the pool's memory.
         for q in reversed(self.query_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
+
+    @staticmethod
+    def _check_device(device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+
+    @staticmethod
+    def _new_pool():
+        return torch.cuda.graph_pool_handle()
 
     def _layout(self, b: int, q: int) -> list[tuple[int, torch.dtype]]:
         """The static inputs of bucket (b, q) in one packed buffer: input ids, positions, slots,
@@ -101,13 +113,13 @@ class GraphedForward:
         b, q = key
         g = self.graphs[key]
         v = self._fill(g.packed, b, q, ids, positions, slots, starts, ctx_lens, tables, logit_rows)
-        g.serial += 1
+        g.stamp = next(_STAMPS)
         t = len(ids)
         return ForwardBatch(input_ids=v[0][:t], positions=v[1][:t], slot_mapping=v[2][:t],
                             query_start_loc=v[3][:n + 1], context_lens=v[4][:n],
                             block_tables=v[5].view(b, self.max_blocks)[:n], logits_indices=v[6][:len(logit_rows)],
                             query_lens_host=list(query_lens), context_lens_host=list(ctx_lens),
-                            graph_key=(b, q, g.serial))
+                            graph_key=(b, q, g.stamp))
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, pool) -> _Graph:
@@ -151,6 +163,7 @@ class GraphedForward:
         s = g.batch
         n, t = len(batch.query_lens_host), batch.input_ids.numel()
         self.replays += 1
+        g.stamp = next(_STAMPS)  # a batch staged for this graph and not yet run is overwritten now
         s.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
         s.positions[:t].copy_(batch.positions, non_blocking=True)
         s.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
@@ -165,20 +178,30 @@ class GraphedForward:
         return self._outputs(g, batch, t)
 
     def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
-        b, q, serial = batch.graph_key
-        g = self.graphs[(b, q)]
-        if serial != g.serial:
+        b, q, stamp = batch.graph_key
+        g = self.graphs.get((b, q))
+        if g is None or stamp != g.stamp:
             raise RuntimeError(f"this batch's static inputs (graph {b}x{q}) were overwritten by a later "
-                               "prepare(): forward a staged batch before preparing the next one")
+                               "step, or it was staged by another runner: forward a staged batch on its "
+                               "runner before preparing the next one")
+        s = g.batch
+        if any(getattr(batch, f).data_ptr() != getattr(s, f).data_ptr() for f in _STAGED_ONLY):
+            raise ValueError(f"a staged batch may replace only input_ids; {', '.join(_STAGED_ONLY)} "
+                             "are the graph's static inputs as staged")
         t = batch.input_ids.numel()
-        if batch.input_ids.data_ptr() != g.batch.input_ids.data_ptr():  # ids replaced on the device
-            g.batch.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        if batch.input_ids.data_ptr() != s.input_ids.data_ptr():  # ids replaced on the device
+            s.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
         self.replays += 1
         g.graph.replay()
         return self._outputs(g, batch, t)
 
     @staticmethod
     def _outputs(g: _Graph, batch: ForwardBatch, t: int) -> torch.Tensor:
+        """The requested rows as a tensor of their own (the static output is overwritten by the
+        graph's next replay)."""
         if batch.logits_indices.numel() == t:  # logits of every token (rows are sorted and unique)
-            return g.logits[:t]
+            return g.logits[:t].clone()
         return g.logits.index_select(0, batch.logits_indices)
+
+
+_STAGED_ONLY = ("positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables")

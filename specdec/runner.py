@@ -41,8 +41,9 @@ class ForwardBatch:
     query_lens_host: list[int]
     context_lens_host: list[int]
     # Set when the tensors are a CUDA graph's static inputs, staged by prepare(): (batch bucket,
-    # query bucket, staging serial). The graph replays them as they are (no copies); a later
-    # prepare for the same bucket overwrites them, which forward() detects.
+    # query bucket, stamp). The graph replays them as they are (no copies; input_ids alone may be
+    # replaced by device ids); a later step on the same bucket overwrites them, which forward()
+    # detects.
     graph_key: tuple[int, int, int] | None = None
 
     @property
@@ -133,9 +134,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None:
-            logits = self.graphs.forward(batch)
+            logits = self.graphs.forward(batch)  # a copy: the graph's output is overwritten next replay
             if logits is not None:
-                return logits.clone()  # the graph's output buffer is overwritten by the next replay
+                return logits
         return self.model(batch, self.kv, self.backend)
 
     def step(self, items: Sequence[SeqInput]) -> list[torch.Tensor]:

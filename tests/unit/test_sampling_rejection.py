@@ -213,13 +213,17 @@ def test_greedy_target_accepts_while_argmax_matches_then_emits_argmax():
     assert out.tokens == [argmax.tolist()]                               # all accepted + bonus argmax
 
 
-def test_all_greedy_shortcut_equals_the_general_path():
+@pytest.mark.parametrize("ties", [False, True], ids=["randn", "ties"])
+def test_all_greedy_shortcut_equals_the_general_path(ties):
     """rejection_sample and draft_sample take an argmax shortcut when every row is greedy; the
     general arithmetic (one-hot p and q, hashed uniforms, inverse-CDF draws) must give the same
-    tokens. Drafts copy the target's argmax for a random prefix, so every accepted count occurs."""
+    tokens, ties at the maximum included (few distinct logit values). Drafts copy the target's
+    argmax for a random prefix, so every accepted count occurs."""
     gen = torch.Generator().manual_seed(21)
     vocab, counts = 40, [4, 0, 1, 4, 2, 3, 0, 4]
-    logits = torch.randn(sum(counts) + len(counts), vocab, generator=gen)
+    rows = sum(counts) + len(counts)
+    logits = (torch.randint(0, 3, (rows, vocab), generator=gen).float() if ties
+              else torch.randn(rows, vocab, generator=gen))
     best = logits.argmax(-1)
     drafts, row = [], 0
     for k in counts:
