@@ -11,7 +11,7 @@ import torch
 from specdec.runner import SeqInput
 from specdec.sampling.probs import SamplingTensors
 from specdec.sampling.rejection import greedy_accept, one_hot_probs, rejection_sample
-from specdec.staging import as_device_tensor
+from specdec.staging import as_device_tensor, to_device
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
                                   VerifySeqInput, unknown_seq)
@@ -142,7 +142,9 @@ class TargetEngine(ModelEngine):
             if p.seq.sampling.greedy:
                 rows.append(one_hot_probs(torch.tensor(p.seq.draft_tokens), v))
                 continue
-            q = p.seq.draft_probs.float().cpu()
+            q = p.seq.draft_probs.cpu()  # the wire's fp16/bf16 (decode_probs keeps it: exact)
             q = q[:, :v] if q.shape[1] >= v else torch.nn.functional.pad(q, (0, v - q.shape[1]))
             rows.append(q)
-        return torch.cat(rows).to(self.device, non_blocking=True)
+        # One pinned copy in the rows' own dtype (mixed rows widen to float32 in the cat), then
+        # float32 on the device.
+        return to_device(torch.cat(rows), self.device).float()

@@ -71,41 +71,56 @@ class EncodedProbs:
     row_lengths: bytes = b""
 
 
+# Bit patterns of the transport dtypes as int16: the exponent field (all ones = inf or NaN) and -0.0.
+_EXP_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+_NEG_ZERO = -0x8000
+
+
+def _bits(weights: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """[k, V] weights -> their transport-dtype bits as a host int16 array (one device-to-host copy)."""
+    return weights.detach().to(dtype).cpu().contiguous().view(torch.int16).numpy()
+
+
 def encode_probs(weights: torch.Tensor, dtype: torch.dtype = torch.float16,
                  sparse: bool | None = None) -> EncodedProbs:
     """weights [k, V], already rounded by `round_probs(.., dtype)` (draft_sample's q) -> packed bytes.
 
     sparse=None picks the smaller form; sparse rows need fp16 weights (the only sparse encoding).
-    One device-to-host copy.
+    One device-to-host copy; the packing is numpy on the bits (a weight is nonzero when its bits
+    other than the sign are).
     """
     rows, vocab = weights.shape
-    host = weights.detach().to(dtype).cpu()
+    bits = _bits(weights, dtype)
+    nonzero = None
     if sparse is None:
-        nnz = int((host != 0).sum()) if dtype == torch.float16 else rows * vocab
-        sparse = 6 * nnz + 4 * rows < 2 * rows * vocab
+        if dtype == torch.float16:
+            nonzero = np.flatnonzero(bits & 0x7FFF)
+            sparse = 6 * nonzero.size + 4 * rows < 2 * rows * vocab
+        else:
+            sparse = False
     if not sparse:
         name = "DENSE_FP16" if dtype == torch.float16 else "DENSE_BF16"
-        raw = host.contiguous().view(torch.int16).numpy()
-        return EncodedProbs(name, rows, vocab, raw.astype("<i2", copy=False).tobytes())
+        return EncodedProbs(name, rows, vocab, bits.astype("<i2", copy=False).tobytes())
     if dtype != torch.float16:
         raise ValueError(f"sparse draft probabilities are float16 only, got {dtype}")
-    r, c = host.nonzero(as_tuple=True)
-    lengths = torch.bincount(r, minlength=rows).to(torch.int32).numpy()
-    values = host[r, c].contiguous().view(torch.int16).numpy()
-    return EncodedProbs("SPARSE_FP16", rows, vocab, values.astype("<i2", copy=False).tobytes(),
-                        c.to(torch.int32).numpy().astype("<i4", copy=False).tobytes(),
-                        lengths.astype("<i4", copy=False).tobytes())
+    if nonzero is None:
+        nonzero = np.flatnonzero(bits & 0x7FFF)                     # row-major: columns ascend per row
+    lengths = np.bincount(nonzero // vocab, minlength=rows)
+    return EncodedProbs("SPARSE_FP16", rows, vocab, bits.reshape(-1)[nonzero].astype("<i2").tobytes(),
+                        (nonzero % vocab).astype("<i4").tobytes(), lengths.astype("<i4").tobytes())
 
 
 def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DENSE_FP16",
                  indices: bytes = b"", row_lengths: bytes = b"",
                  device: torch.device | str = "cpu", *, max_vocab: int | None = None,
-                 expected_rows: int | None = None) -> torch.Tensor:
-    """Packed bytes -> float32 weights [rows, vocab_size] on device, exactly what was encoded.
+                 expected_rows: int | None = None, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """Packed bytes -> weights [rows, vocab_size] on device, exactly what was encoded: float32, or
+    with dtype=None the transport dtype itself (half the bytes to move; exact either way).
 
-    Validates on the host (the bytes come from the network) before one host-to-device copy. The
-    shape is checked against expected_rows and max_vocab before anything is allocated: the sparse
-    form allocates rows x vocab_size floats that no byte count bounds.
+    Validates on the host (the bytes come from the network) before one host-to-device copy, on the
+    int16 bits with numpy: finite and >= 0 (-0.0 allowed) is 0 <= bits < exponent mask, or -0.0.
+    The shape is checked against expected_rows and max_vocab before anything is allocated: the
+    sparse form allocates rows x vocab_size weights that no byte count bounds.
     """
     def fail(field: str, msg: str) -> None:
         raise ProbsDecodeError(f"draft_probs.{field}: {msg}")
@@ -120,12 +135,14 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         fail("vocab_size", f"must be > 0, got {vocab_size}")
     if max_vocab is not None and vocab_size > max_vocab:
         fail("vocab_size", f"{vocab_size} is over the model's vocabulary of {max_vocab}")
+    wire_dtype = TRANSPORT_DTYPES.get(encoding, torch.float16)
     if encoding in TRANSPORT_DTYPES:
         if len(values) != 2 * rows * vocab_size:
             fail("values", f"{encoding} needs {2 * rows * vocab_size} bytes for {rows} x {vocab_size}, "
                            f"got {len(values)}")
-        raw = torch.from_numpy(np.frombuffer(values, dtype="<i2").astype(np.int16))
-        w = raw.view(TRANSPORT_DTYPES[encoding]).float().reshape(rows, vocab_size)
+        bits = np.frombuffer(values, dtype="<i2").astype(np.int16)  # a writable native copy
+        _check_weights(bits, wire_dtype, fail)
+        has_mass = bits.reshape(rows, vocab_size).max(axis=1) > 0 if rows else None
     else:
         if len(row_lengths) != 4 * rows:
             fail("row_lengths", f"needs {4 * rows} bytes for {rows} rows, got {len(row_lengths)}")
@@ -136,17 +153,30 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         if len(indices) != 4 * nnz or len(values) != 2 * nnz:
             fail("indices", f"{nnz} nonzeros need {4 * nnz} index and {2 * nnz} value bytes, "
                             f"got {len(indices)} and {len(values)}")
-        cols = torch.from_numpy(np.frombuffer(indices, dtype="<i4").astype(np.int64))
+        cols = np.frombuffer(indices, dtype="<i4").astype(np.int64)
         if nnz and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
             fail("indices", f"column outside 0..{vocab_size - 1}")
-        r = torch.repeat_interleave(torch.arange(rows), torch.from_numpy(lengths))
-        if nnz and torch.unique(r * vocab_size + cols).numel() != nnz:
+        flat = np.repeat(np.arange(rows, dtype=np.int64) * vocab_size, lengths) + cols
+        vals = np.frombuffer(values, dtype="<i2").astype(np.int16)
+        _check_weights(vals, wire_dtype, fail)
+        bits = np.zeros(rows * vocab_size, dtype=np.int16)
+        bits[flat] = vals
+        seen = np.zeros(rows * vocab_size, dtype=bool)
+        seen[flat] = True
+        if np.count_nonzero(seen) != nnz:
             fail("indices", "a column appears twice in one row")
-        vals = torch.from_numpy(np.frombuffer(values, dtype="<i2").astype(np.int16)).view(torch.float16)
-        w = torch.zeros(rows, vocab_size)
-        w[r, cols] = vals.float()
-    if not torch.isfinite(w).all() or (w < 0).any():
-        fail("values", "must be finite and >= 0")
-    if rows and (w.sum(-1) <= 0).any():
+        has_mass = np.zeros(rows, dtype=bool)
+        has_mass[flat[vals > 0] // vocab_size] = True
+    if rows and not has_mass.all():  # non-negative weights: mass iff some bits are positive
         fail("values", "every row needs some probability mass")
-    return to_device(w, device)
+    w = torch.from_numpy(bits).view(wire_dtype).reshape(rows, vocab_size)
+    w = to_device(w, device)
+    return w if dtype is None else w.to(dtype)
+
+
+def _check_weights(bits: np.ndarray, dtype: torch.dtype, fail) -> None:
+    """Every weight finite and >= 0: as int16 bits, 0 <= b < the exponent mask, or exactly -0.0."""
+    if not bits.size:
+        return
+    if int(bits.max()) >= _EXP_MASK[dtype] or (int(bits.min()) < 0 and (bits[bits < 0] != _NEG_ZERO).any()):
+        fail("values", "must be finite and >= 0")

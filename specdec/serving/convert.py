@@ -38,8 +38,9 @@ def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Te
     except ValueError:
         raise FieldError(f"draft_probs.encoding: unknown value {msg.encoding}") from None
     try:
+        # In the transport dtype (exact): the target moves half the bytes and widens on the device.
         return decode_probs(msg.values, msg.rows, msg.vocab_size, encoding, msg.indices,
-                            msg.row_lengths, max_vocab=max_vocab, expected_rows=expected_rows)
+                            msg.row_lengths, max_vocab=max_vocab, expected_rows=expected_rows, dtype=None)
     except ProbsDecodeError as e:
         raise FieldError(str(e)) from None
 

@@ -1,6 +1,7 @@
 """Logits -> probabilities (against transformers' warpers), transport encoding, counter-based RNG."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -155,3 +156,29 @@ def test_uniforms_and_probs_same_on_cuda():
     assert torch.equal(uniform(s.cuda(), pos.cuda(), ACCEPT).cpu(), uniform(s, pos, ACCEPT))
     w = round_probs(torch.softmax(torch.randn(8, 32000) * 5, -1))
     assert torch.equal(normalize(w.cuda()).cpu(), normalize(w))
+
+
+@pytest.mark.parametrize("dtype, encoding", [(torch.float16, "DENSE_FP16"), (torch.bfloat16, "DENSE_BF16"),
+                                             (torch.float16, "SPARSE_FP16")])
+def test_decode_validates_on_the_bits_as_the_float_rule_would(dtype, encoding):
+    """decode_probs checks "finite and >= 0, some mass per row" on the int16 bits: the same verdict
+    as the float comparisons, at the edges (-0.0, the smallest subnormal, the largest finite value,
+    inf, NaN, negatives), in both dtypes; dtype=None returns the transport dtype, bit for bit."""
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # smallest subnormal
+    big = torch.finfo(dtype).max
+    for row, ok in [([0.5, -0.0, 0.0, tiny], True), ([big, 0.0, 0.0, 0.0], True), ([tiny, 0.0, 0.0, 0.0], True),
+                    ([-0.0, 0.0, -0.0, 0.0], False), ([float("inf"), 1, 0, 0], False),
+                    ([float("nan"), 1, 0, 0], False), ([-tiny, 1, 0, 0], False), ([-2.0, 4, 0, 0], False)]:
+        w = torch.tensor([row], dtype=dtype)
+        if encoding == "SPARSE_FP16":  # every column listed, zeros included: the decoder must cope
+            args = dict(values=w.view(torch.int16).numpy().tobytes(),
+                        indices=np.arange(4, dtype="<i4").tobytes(), row_lengths=np.array([4], "<i4").tobytes())
+        else:
+            args = dict(values=w.view(torch.int16).numpy().tobytes())
+        if ok:
+            back = decode_probs(rows=1, vocab_size=4, encoding=encoding, dtype=None, **args)
+            assert back.dtype == dtype and torch.equal(back.view(torch.int16), w.view(torch.int16))
+            assert torch.equal(decode_probs(rows=1, vocab_size=4, encoding=encoding, **args), w.float())
+        else:
+            with pytest.raises(ProbsDecodeError, match="^draft_probs.values: "):
+                decode_probs(rows=1, vocab_size=4, encoding=encoding, **args)
