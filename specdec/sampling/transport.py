@@ -87,14 +87,14 @@ def encode_probs(weights: torch.Tensor, dtype: torch.dtype = torch.float16,
 
     sparse=None picks the smaller form; sparse rows need fp16 weights (the only sparse encoding).
     One device-to-host copy; the packing is numpy on the bits (a weight is nonzero when its bits
-    other than the sign are).
+    other than the sign are; the mask is a bool array: numpy's nonzero of int16 is ~15x slower).
     """
     rows, vocab = weights.shape
     bits = _bits(weights, dtype)
     nonzero = None
     if sparse is None:
         if dtype == torch.float16:
-            nonzero = np.flatnonzero(bits & 0x7FFF)
+            nonzero = np.flatnonzero((bits & 0x7FFF) != 0)
             sparse = 6 * nonzero.size + 4 * rows < 2 * rows * vocab
         else:
             sparse = False
@@ -104,7 +104,7 @@ def encode_probs(weights: torch.Tensor, dtype: torch.dtype = torch.float16,
     if dtype != torch.float16:
         raise ValueError(f"sparse draft probabilities are float16 only, got {dtype}")
     if nonzero is None:
-        nonzero = np.flatnonzero(bits & 0x7FFF)                     # row-major: columns ascend per row
+        nonzero = np.flatnonzero((bits & 0x7FFF) != 0)                     # row-major: columns ascend per row
     lengths = np.bincount(nonzero // vocab, minlength=rows)
     return EncodedProbs("SPARSE_FP16", rows, vocab, bits.reshape(-1)[nonzero].astype("<i2").tobytes(),
                         (nonzero % vocab).astype("<i4").tobytes(), lengths.astype("<i4").tobytes())
