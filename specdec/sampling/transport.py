@@ -157,14 +157,14 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         if nnz and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
             fail("indices", f"column outside 0..{vocab_size - 1}")
         flat = np.repeat(np.arange(rows, dtype=np.int64) * vocab_size, lengths) + cols
-        vals = np.frombuffer(values, dtype="<i2").astype(np.int16)
-        _check_weights(vals, wire_dtype, fail)
-        bits = np.zeros(rows * vocab_size, dtype=np.int16)
-        bits[flat] = vals
         seen = np.zeros(rows * vocab_size, dtype=bool)
         seen[flat] = True
         if np.count_nonzero(seen) != nnz:
             fail("indices", "a column appears twice in one row")
+        vals = np.frombuffer(values, dtype="<i2").astype(np.int16)
+        _check_weights(vals, wire_dtype, fail)
+        bits = np.zeros(rows * vocab_size, dtype=np.int16)
+        bits[flat] = vals
         has_mass = np.zeros(rows, dtype=bool)
         has_mass[flat[vals > 0] // vocab_size] = True
     if rows and not has_mass.all():  # non-negative weights: mass iff some bits are positive

@@ -121,6 +121,10 @@ def test_decode_rejects_bad_input_naming_the_field():
         (dict(values=torch.zeros(4).half().numpy().tobytes(), encoding="DENSE_FP16"), "draft_probs.values"),
         (dict(values=torch.tensor([float("nan"), 1, 0, 0]).half().numpy().tobytes(), encoding="DENSE_FP16"),
          "draft_probs.values"),
+        # several faults: the layout (indices) is reported before the weights
+        (dict(values=torch.tensor([1.0, float("inf")]).half().numpy().tobytes(), encoding="SPARSE_FP16",
+              row_lengths=good.row_lengths, indices=(torch.tensor([0, 0], dtype=torch.int32).numpy().tobytes())),
+         "draft_probs.indices"),
     ]
     for kwargs, field in cases:
         with pytest.raises(ProbsDecodeError, match=f"^{field}: "):
