@@ -2,7 +2,9 @@
 size and longest query. On the device hosts the Python and launch overhead of an eager step is
 larger than the step itself; a replay costs one launch.
 
-A graph is captured on static input buffers. A batch of n sequences whose query lengths are at most
+A graph is captured on static input buffers (views of one PackedBuffer); ModelRunner.prepare()
+writes a step that fits a graph straight into them (`stage`, one host-to-device copy), and only
+such staged batches replay. A batch of n sequences whose query lengths are at most
 q replays the bucket (b >= n, q) with the smallest q, then the smallest b. The batch need not be
 uniform: the attention kernel reads each sequence's query span from query_start_loc on the device,
 so a ragged batch (a draft feeding 1 or 2 tokens per sequence, verifies of mixed k) is packed into
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.runner import ForwardBatch
+from specdec.runner import ForwardBatch, padded_table
 from specdec.staging import PackedBuffer
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -79,14 +81,10 @@ class GraphedForward:
               tables, logit_rows) -> list[torch.Tensor]:
         """Pads one step's host arrays to bucket (b, q) and writes them in one copy. Padding tokens
         get slot -1 (no KV write), padding sequences empty query spans."""
-        cap, t, n, width = b * q, len(ids), len(starts) - 1, self.max_blocks
-        table = []
-        for row in tables:
-            table += row
-            table += [0] * (width - len(row))
-        table += [0] * (width * (b - n))
+        cap, t, n = b * q, len(ids), len(starts) - 1
         return packed.fill([ids + [0] * (cap - t), positions + [0] * (cap - t), slots + [-1] * (cap - t),
-                            starts + [t] * (b - n), ctx_lens + [q] * (b - n), table,
+                            starts + [t] * (b - n), ctx_lens + [q] * (b - n),
+                            padded_table(tables, self.max_blocks, b),
                             logit_rows + [0] * (cap - len(logit_rows))])
 
     def _static_batch(self, b: int, q: int) -> tuple[ForwardBatch, PackedBuffer]:
@@ -103,11 +101,12 @@ class GraphedForward:
         return batch, packed
 
     def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows,
-              query_lens: list[int]) -> ForwardBatch | None:
-        """A step's host arrays (runner.prepare's) written straight into the static inputs of the
-        graph that will run it, in one copy; None when no graph fits (the step runs eagerly)."""
+              query_lens: list[int], width: int) -> ForwardBatch | None:
+        """A step's host arrays (runner.prepare's; width = its longest block table) written
+        straight into the static inputs of the graph that will run it, in one copy; None when no
+        graph fits (the step runs eagerly)."""
         n = len(query_lens)
-        key = self._bucket(n, max(query_lens), max(len(t) for t in tables))
+        key = self._bucket(n, max(query_lens), width)
         if key is None:
             return None
         b, q = key
@@ -135,10 +134,6 @@ class GraphedForward:
             logits = self._model(batch, self._kv, self._backend)
         return _Graph(graph, batch, packed, logits)
 
-    def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        """The graph that can run this batch, or None (eager)."""
-        return self._bucket(len(batch.query_lens_host), max(batch.query_lens_host), batch.block_tables.shape[1])
-
     def _bucket(self, n: int, q_max: int, width: int) -> tuple[int, int] | None:
         """Every query within a captured length, no more sequences than the largest bucket, a
         context within max_model_len: the smallest such q, then the smallest b."""
@@ -154,28 +149,9 @@ class GraphedForward:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        if batch.graph_key is not None:
-            return self._replay_staged(batch)
-        key = self.bucket(batch)
-        if key is None:
-            return None
-        g = self.graphs[key]
-        s = g.batch
-        n, t = len(batch.query_lens_host), batch.input_ids.numel()
-        self.replays += 1
-        g.stamp = next(_STAMPS)  # a batch staged for this graph and not yet run is overwritten now
-        s.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
-        s.positions[:t].copy_(batch.positions, non_blocking=True)
-        s.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
-        s.slot_mapping[t:].fill_(-1)
-        s.query_start_loc[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
-        s.query_start_loc[n + 1:].fill_(t)  # padding sequences: empty query spans
-        s.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
-        s.context_lens[n:].fill_(key[1])
-        width = batch.block_tables.shape[1]
-        s.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        g.graph.replay()
-        return self._outputs(g, batch, t)
+        """The logits of a batch prepare() staged into a graph; None for any other batch (it runs
+        eagerly: every batch that fits a graph is staged by prepare)."""
+        return None if batch.graph_key is None else self._replay_staged(batch)
 
     def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
         b, q, stamp = batch.graph_key

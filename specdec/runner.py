@@ -55,6 +55,16 @@ class ForwardBatch:
         return max(self.context_lens_host)
 
 
+def padded_table(tables: Sequence[Sequence[int]], width: int, num_rows: int | None = None) -> list[int]:
+    """Block tables as one row-major [num_rows, width] list: each row padded with block 0, then
+    rows of zeros up to num_rows (default: one row per table)."""
+    table: list[int] = []
+    for t in tables:
+        table += t
+        table += [0] * (width - len(t))
+    return table + [0] * (width * ((num_rows or len(tables)) - len(tables)))
+
+
 def default_backend(device: torch.device):
     if device.type == "cuda":
         from specdec.kernels.triton_attention import TritonAttention
@@ -110,15 +120,13 @@ class ModelRunner:
             ctx_lens.append(start + n)
             tables.append(self.blocks.block_table(item.seq_id))
         width = max(len(t) for t in tables)
+        query_lens = [len(i.token_ids) for i in items]
         if self.graphs is not None:  # straight into a graph's static inputs, when one fits
             staged = self.graphs.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows,
-                                       [len(i.token_ids) for i in items])
+                                       query_lens, width)
             if staged is not None:
                 return staged
-        table = []  # [B, width] row-major, padded with 0
-        for t in tables:
-            table += t
-            table += [0] * (width - len(t))
+        table = padded_table(tables, width)
         # One packed host-to-device copy for all seven (pinned on CUDA: it queues behind the previous
         # step's kernels instead of waiting for them; staging.pack_to_device keeps each view aligned
         # as a separate allocation would be, so Triton compiles no extra variants).
@@ -129,7 +137,7 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, query_start_loc=starts_t,
             context_lens=ctx_t, block_tables=table_t.view(len(items), width), logits_indices=rows_t,
-            query_lens_host=[len(i.token_ids) for i in items], context_lens_host=ctx_lens)
+            query_lens_host=query_lens, context_lens_host=ctx_lens)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

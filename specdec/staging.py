@@ -74,9 +74,8 @@ class PackedBuffer:
 
     def __init__(self, layout: Sequence[tuple[int, torch.dtype]], device: torch.device | str):
         self.layout = [(n, dtype) for n, dtype in layout]
-        _, self.spans = _pack_host([([0] * n, dtype) for n, dtype in self.layout])
-        size = self.spans[-1][0] + self.spans[-1][1] * self.spans[-1][2].itemsize if self.spans else 0
-        self.buffer = torch.zeros(size + (-size % PACK_ALIGN), dtype=torch.uint8, device=device)
+        zeros, self.spans = _pack_host([([0] * n, dtype) for n, dtype in self.layout])
+        self.buffer = torch.zeros(len(zeros), dtype=torch.uint8, device=device)  # padded to PACK_ALIGN
         self.views = _views(self.buffer, self.spans)
 
     @torch.inference_mode()  # the buffer may be an inference tensor (made during graph capture)

@@ -97,6 +97,7 @@ def test_stale_or_altered_staged_batches_are_refused(runners):
     altered = dataclasses.replace(second, positions=second.positions.clone())
     with pytest.raises(ValueError, match="only input_ids"):
         graphed.forward(altered)
+    assert graphed.graphs.forward(dataclasses.replace(second, graph_key=None)) is None  # unstaged: eager
     out = graphed.forward(second)
     assert out.shape == (2, 61) and torch.isfinite(out).all()
     kept = out.clone()  # the result is the caller's: the next replay (other inputs) leaves it alone
