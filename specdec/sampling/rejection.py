@@ -77,11 +77,8 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, count
     """rejection_sample's result when every sequence is greedy: drafts are accepted while they equal
     the target's argmax, then the target's argmax at the first mismatch (or the bonus row)."""
     dev = target_logits.device
-    n, m = target_logits.shape[0], sum(counts)
-    if n != m + len(counts) or draft_tokens.shape[0] != m:
-        raise ValueError(f"num_draft {list(counts)} needs {m + len(counts)} target rows and {m} draft "
-                         f"tokens, got {n} and {draft_tokens.shape[0]}")
-    layout, kmax = _layout(counts, m, dev)
+    m = draft_tokens.shape[0]
+    layout, kmax = _layout(counts, target_logits.shape[0], m, dev)
     k, p_start, p_rows, q_rows = layout[:, 0], layout[:, 1], layout[:, 3:kmax + 4], layout[:, kmax + 4:]
     best = target_logits.float().argmax(-1)                                      # [N]
     j = torch.arange(kmax + 1, device=dev)[None, :]
@@ -93,11 +90,15 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, count
     return SpecOutput(accepted=accepted, tokens=tokens, num_emitted=accepted + 1)
 
 
-def _layout(counts: Sequence[int], m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
+def _layout(counts: Sequence[int], n: int, m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
     copied in one staged transfer: columns k, p_start, q_start, then kmax+1 target rows (the
     last repeated past k) and kmax+1 draft rows (clamped) per sequence. Built in Python: the
-    dozen tiny host tensor ops it took before cost more than the lists."""
+    dozen tiny host tensor ops it took before cost more than the lists. Checks first that the
+    counts fit n target rows and m draft tokens."""
+    if n != sum(counts) + len(counts) or m != sum(counts):
+        raise ValueError(f"num_draft {list(counts)} needs {sum(counts) + len(counts)} target rows and "
+                         f"{sum(counts)} draft tokens, got {n} and {m}")
     kmax = max(counts, default=0)
     rows, p0, q0, last = [], 0, 0, max(m - 1, 0)
     for k in counts:
@@ -115,10 +116,8 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
     counts = _host_counts(num_draft)
     dev = target_probs.device
     n, v = target_probs.shape
-    b, m, kmax = len(counts), draft_tokens.shape[0], max(counts, default=0)
-    if n != sum(counts) + b or m != sum(counts):
-        raise ValueError(f"num_draft {counts} needs {sum(counts) + b} target rows and {sum(counts)} "
-                         f"draft tokens, got {n} and {m}")
+    b, m = len(counts), draft_tokens.shape[0]
+    layout, kmax = _layout(counts, n, m, dev)  # checks the counts first
     if draft_probs is not None and draft_probs.shape != (m, v):
         raise ValueError(f"draft_probs: shape {tuple(draft_probs.shape)}, expected {(m, v)}")
     if isinstance(positions, torch.Tensor):
@@ -129,7 +128,6 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
     if draft_probs is not None:
         draft_probs = to_device(draft_probs, dev)
 
-    layout, _ = _layout(counts, m, dev)
     k, p_start, q_start = layout[:, 0], layout[:, 1], layout[:, 2]
     p_rows, q_rows = layout[:, 3:kmax + 4], layout[:, kmax + 4:]
     j = torch.arange(kmax + 1, device=dev)[None, :]       # made on the device: no copy at all
