@@ -129,6 +129,11 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    # where a speculative step's wall time goes (coordinator stages, means per step)
                    **{f"{stage}_ms_spec": _ms(histogram_mean(m2, "specdec_stage_seconds", m1, stage=stage))
                       for stage in STAGES},
+                   # the servers' handling per step, split into device forward time and the rest
+                   **{f"{role}_{part}_ms_{mode}": _ms(histogram_mean(after, "specdec_server_step_seconds",
+                                                                     before, role=role, part=part))
+                      for mode, before, after in (("plain", m0, m1), ("spec", m1, m2))
+                      for role in ("draft", "target") for part in ("forward", "host")},
                    "target_decode_ms": 1e3 * t_c if t_c else None,
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
@@ -380,6 +385,15 @@ def main(argv=None) -> int:
         ("verify_ms_spec", "verify ms", ".2f"),
         ("overhead_ms_spec", "overhead ms/step", ".3f"), ("overhead_frac_spec", "of step", ".1%"),
         ("hf_plain_tok_s", "HF tok/s", ".0f"), ("hf_assisted_tok_s", "HF assisted tok/s", ".0f")]))
+    print("\nwhere a step's time goes (ms per step: server forward = device time of its forwards, "
+          "host = the rest of its handling; transport = RPC + coordinator)")
+    print(table([r for r in rows if "skipped" not in r], [
+        ("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d"),
+        ("step_ms_plain", "plain step", ".2f"), ("target_forward_ms_plain", "target fwd", ".2f"),
+        ("target_host_ms_plain", "target host", ".2f"), ("overhead_ms_plain", "transport", ".2f"),
+        ("step_ms_spec", "spec step", ".2f"), ("draft_forward_ms_spec", "draft fwd", ".2f"),
+        ("draft_host_ms_spec", "draft host", ".2f"), ("target_forward_ms_spec", "target fwd", ".2f"),
+        ("target_host_ms_spec", "target host", ".2f"), ("overhead_ms_spec", "transport", ".2f")]))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")
     print(f"wrote {path} ({result['elapsed_s']:.0f}s)")

@@ -28,7 +28,8 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
         return pb.ProposeResponse(step=request.step, results=results,
                                   timing=self._finish_timing(step.timing, request, received))
 
-    def _observe_forwards(self, request: pb.ProposeRequest, response: pb.ProposeResponse) -> None:
+    def _observe_forwards(self, request: pb.ProposeRequest, response: pb.ProposeResponse,
+                          decode_seconds: float) -> None:
         # The step's first forward feeds what each sequence's KV lacks: a prompt (prefill), or the
         # target's token (plus the last draft after a full acceptance). Later forwards feed one
         # drafted token per sequence and come in through the engine's profile; the first one's
@@ -38,7 +39,7 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
         if not timing.num_forwards or not served:
             return
         prompt = any(len(s.new_tokens) > 4 for s in served)  # more than one int32 token id
-        first = max(timing.forward_seconds - self.runtime.decode_seconds, 0.0)
+        first = max(timing.forward_seconds - decode_seconds, 0.0)
         self.runtime.metrics.observe_forward("prefill" if prompt else "decode", len(served), first)
 
 

@@ -106,6 +106,10 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _h("specdec_step_overhead_seconds",
        "Step wall time outside the servers' own handling of its RPCs: transport, serialisation and "
        "the coordinator's scheduling and emit", FORWARD_BUCKETS, "mode"),
+    _h("specdec_server_step_seconds",
+       "A server's handling of one step, as it reports it: device time of its forwards (part=forward) "
+       "and the rest (part=host: request conversion, scheduling, launches, sampling, response)",
+       FORWARD_BUCKETS, "role", "part"),
     _h("specdec_request_duration_seconds", "Generate request latency, arrival to last token",
        REQUEST_BUCKETS),
     _h("specdec_time_to_first_token_seconds", "Arrival to first emitted token", REQUEST_BUCKETS),
@@ -250,6 +254,9 @@ class CoordinatorMetrics(_ProcessMetrics):
         for mode in ("spec", "plain"):
             self._m["specdec_step_seconds"].labels(mode=mode)
             self._m["specdec_step_overhead_seconds"].labels(mode=mode)
+        for role in ("draft", "target"):
+            for part in ("forward", "host"):
+                self._m["specdec_server_step_seconds"].labels(role=role, part=part)
         for code in STATUS_CODES:
             self._m["specdec_requests_total"].labels(code=code)
         self._m["specdec_expected_speedup"].labels(basis="model")
@@ -319,6 +326,12 @@ class CoordinatorMetrics(_ProcessMetrics):
         overhead = step_overhead(step_seconds, draft_timing, target_timing)
         if overhead is not None:
             m["specdec_step_overhead_seconds"].labels(mode=mode).observe(overhead)
+        for role, timing in (("draft", draft_timing), ("target", target_timing)):
+            if timing is not None and timing.step_seconds:
+                name = "specdec_server_step_seconds"
+                self._child(name, role=role, part="forward").observe(timing.forward_seconds)
+                self._child(name, role=role, part="host").observe(
+                    max(timing.step_seconds - timing.forward_seconds, 0.0))
         self._set_buckets()
         window = self.stats.window()
         self._set_window(window)

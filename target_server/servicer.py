@@ -27,7 +27,8 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
         return pb.VerifyResponse(step=request.step, results=results,
                                  timing=self._finish_timing(step.timing, request, received))
 
-    def _observe_forwards(self, request: pb.VerifyRequest, response: pb.VerifyResponse) -> None:
+    def _observe_forwards(self, request: pb.VerifyRequest, response: pb.VerifyResponse,
+                          decode_seconds: float) -> None:
         # One forward per step. All single-token (plain decoding): the engine's profile already
         # took it. Any prompt tokens: prefill. Otherwise a verify over 1 + k tokens per sequence,
         # which also moves the profile entry of (batch, k + 1) when every sequence has the same k.

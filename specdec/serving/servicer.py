@@ -12,6 +12,10 @@ from specdec.serving import convert
 from specdec.serving.server import EngineRuntime
 
 _CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
+# Steps whose sequences each bring at most this many new token ids (decode and verify steps: the
+# target's last token, the draft's correction plus the last draft) run inline on the event loop;
+# steps with prompts run on the engine thread, so that health checks are answered meanwhile.
+INLINE_MAX_NEW_TOKENS = 2
 
 
 class ModelServicer:
@@ -22,29 +26,40 @@ class ModelServicer:
 
     async def _steps(self, request_iterator):
         # One step at a time per stream (the next request is read after the answer is written);
-        # several streams may be open, and their steps queue on the engine's one thread.
+        # several streams may be open, and their steps queue for the engine. The step's metrics
+        # are recorded after its answer is on its way, while the coordinator is busy with it.
+        runtime = self.runtime
         async for request in request_iterator:
-            yield await self.runtime.call(self._metered_step, request, time.perf_counter())
+            received = time.perf_counter()
+            inline = all(len(s.new_tokens) <= 4 * INLINE_MAX_NEW_TOKENS for s in request.seqs)  # int32
+            response, decode_seconds = await runtime.call(self._timed_step, request, received,
+                                                          inline=inline)
+            yield response
+            await runtime.call(self._account, request, response, decode_seconds, inline=True)
 
-    def _metered_step(self, request, received: float):
-        """_step plus its metrics, on the engine thread (gauges are read by scrapes meanwhile)."""
-        runtime, metrics = self.runtime, self.runtime.metrics
-        runtime.decode_seconds = 0.0
+    def _timed_step(self, request, received: float):
+        """(_step's response, seconds of the step's single-token forwards)."""
+        self.runtime.decode_seconds = 0.0
         response = self._step(request, received)
-        self._observe_forwards(request, response)
+        return response, self.runtime.decode_seconds
+
+    def _account(self, request, response, decode_seconds: float) -> None:
+        """The server's metrics of one answered step (gauges are read by scrapes meanwhile)."""
+        runtime, metrics = self.runtime, self.runtime.metrics
+        self._observe_forwards(request, response, decode_seconds)
         for r in response.results:
             if r.HasField("error") and r.error.code:
                 metrics.count_error(_CODE_NAMES.get(r.error.code, "UNKNOWN"))
         runtime.publish_state()
         metrics.observe_rpc(self.rpc_name, response.timing.step_seconds)
-        return response
 
     def _step(self, request, received: float):
         raise NotImplementedError
 
-    def _observe_forwards(self, request, response) -> None:
+    def _observe_forwards(self, request, response, decode_seconds: float) -> None:
         """Forward-time histogram entries of the step's forwards that were not single-token decode
-        forwards (those arrive through the engine's profile: EngineRuntime.attach)."""
+        forwards (those arrive through the engine's profile, EngineRuntime.attach, and sum to
+        decode_seconds)."""
         raise NotImplementedError
 
     @staticmethod

@@ -244,6 +244,12 @@ def test_step_overhead_is_step_time_outside_the_servers():
     assert value(s, "specdec_step_overhead_seconds_sum", mode="spec") == pytest.approx(0.0011)
     assert value(s, "specdec_step_overhead_seconds_sum", mode="plain") == pytest.approx(0.0005)
     assert value(s, "specdec_step_overhead_seconds_count", mode="plain") == 1
+    # The servers' own step time, split into forward (device) and host time.
+    assert value(s, "specdec_server_step_seconds_sum", role="draft", part="forward") == pytest.approx(0.004)
+    assert value(s, "specdec_server_step_seconds_sum", role="draft", part="host") == pytest.approx(0.001)
+    assert value(s, "specdec_server_step_seconds_count", role="draft", part="host") == 1
+    assert value(s, "specdec_server_step_seconds_sum", role="target", part="host") == pytest.approx(0.002)
+    assert value(s, "specdec_server_step_seconds_count", role="target", part="forward") == 2
 
 
 def test_coordinator_request_metrics():

@@ -60,8 +60,15 @@ def good(seq_id: int) -> pb.VerifySeq:
                         draft_probs=uniform_dense(1), sampling=SAMPLED, first=True)
 
 
+def step(servicer, request):
+    """One step as the servicer's stream runs it (step, then its metrics), without a stream."""
+    response, decode_seconds = servicer._timed_step(request, time.perf_counter())
+    servicer._account(request, response, decode_seconds)
+    return response
+
+
 def verify(servicer: TargetServicer, seqs, release=()) -> pb.VerifyResponse:
-    return servicer._metered_step(pb.VerifyRequest(step=1, seqs=seqs, release=release), time.perf_counter())
+    return step(servicer, pb.VerifyRequest(step=1, seqs=seqs, release=release))
 
 
 def max_rss_bytes() -> int:
@@ -117,11 +124,11 @@ def test_bad_sequence_fails_alone(servicers, name, fields, field):
 def test_draft_bad_ids_fail_alone(servicers):
     _, draft = servicers
     engine = draft.runtime.engine
-    reply = draft._metered_step(pb.ProposeRequest(step=1, seqs=[
+    reply = step(draft, pb.ProposeRequest(step=1, seqs=[
         pb.DraftSeq(seq_id=1, new_tokens=b"\x01", num_draft=2, first=True),
         pb.DraftSeq(seq_id=2, new_tokens=pack_ids([5, 17]), num_draft=2, sampling=SAMPLED, first=True),
         pb.DraftSeq(seq_id=3, new_tokens=pack_ids([5]), num_draft=2, first=True,
-                    sampling=pb.SamplingParams(top_p=2.0))]), time.perf_counter())
+                    sampling=pb.SamplingParams(top_p=2.0))]))
     bad_ids, ok, bad_sampling = reply.results
     assert bad_ids.error.code == INVALID and bad_ids.error.message.startswith("seqs[0].new_tokens")
     assert bad_sampling.error.code == INVALID and bad_sampling.error.message.startswith("seqs[2].sampling.top_p")
