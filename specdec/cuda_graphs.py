@@ -12,6 +12,13 @@ the bucket's first tokens and its padding sequences get empty spans. Padding tok
 (slot -1, which the store kernel skips) and their rows are dropped. The attention grid is sized at
 capture from the bucket and a context bound of max_model_len, so nothing about a replay depends on
 host values.
+
+Chains (the draft's greedy steps): for bucket (b, 1) a second graph runs one single-token forward,
+takes the argmax of every row and moves the static inputs on to the next position (ids = the
+argmax, positions and context lengths + 1, slots looked up in the staged block tables). A draft
+step of k greedy tokens then costs one staged copy and k - 1 replays after its first forward,
+with no host work between them; the KV slots of all k - 1 positions are reserved before the copy
+(ModelRunner.greedy_chain).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from specdec.runner import ForwardBatch, padded_table
 from specdec.staging import PackedBuffer
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CHAIN_MAX = 16  # most steps one chain runs (a draft step's k - 1)
 # Stamps of what a graph's static inputs hold, unique across every GraphedForward of the process: a
 # staged batch replays only while its graph still holds it (and only on the graphs that staged it).
 _STAMPS = itertools.count(1)
@@ -39,9 +47,16 @@ class _Graph:
     stamp: int = 0            # what the static inputs hold now (a staged batch carries its stamp)
 
 
+@dataclass
+class _Chain:
+    graph: torch.cuda.CUDAGraph  # a greedy step on bucket (b, 1)'s static inputs, then the next's inputs
+    tokens: torch.Tensor         # [CHAIN_MAX, b] int64: row i is the argmax of the chain's i-th step
+    at: torch.Tensor             # [1] int64: the row the next replay writes
+
+
 class GraphedForward:
     def __init__(self, runner, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
+                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, chains: bool = False):
         self._check_device(runner.device)
         # Hold the runner's parts, not the runner: runner -> graphs -> runner would be a reference
         # cycle, freed by the garbage collector at an arbitrary time, and a CUDA graph freed while
@@ -49,8 +64,9 @@ class GraphedForward:
         self._model, self._kv, self._backend = runner.model, runner.kv, runner.backend
         self.device = runner.device
         gc.collect()  # free graphs of runners already dropped before we start capturing
-        self.max_blocks = -(-max_model_len // runner.cache_config.block_size)
-        self.max_context = self.max_blocks * runner.cache_config.block_size
+        self.block_size = runner.cache_config.block_size
+        self.max_blocks = -(-max_model_len // self.block_size)
+        self.max_context = self.max_blocks * self.block_size
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.query_lens = tuple(sorted(set(query_lens)))
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -60,6 +76,10 @@ class GraphedForward:
         for q in reversed(self.query_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
+        self.chains: dict[int, _Chain] = {}
+        if chains and 1 in self.query_lens:
+            for b in reversed(self.batch_sizes):
+                self.chains[b] = self._capture_chain(b, pool)
 
     @staticmethod
     def _check_device(device: torch.device) -> None:
@@ -134,6 +154,67 @@ class GraphedForward:
             logits = self._model(batch, self._kv, self._backend)
         return _Graph(graph, batch, packed, logits)
 
+    def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor) -> None:
+        """What a chain graph runs: the forward of bucket (b, 1), the argmax of each row into
+        tokens[at], and the static inputs advanced to the next position. Padding rows keep slot -1
+        (no KV writes); the block index is clamped so a position past the context stays in the
+        table (its slot is never written: no step follows the last)."""
+        s = g.batch
+        ids = self._model(s, self._kv, self._backend).argmax(-1)
+        s.input_ids.copy_(ids)
+        tokens.index_copy_(0, at, ids[None])
+        at.add_(1)
+        s.positions.add_(1)
+        s.context_lens.add_(1)
+        block = torch.clamp(s.positions // self.block_size, max=self.max_blocks - 1)
+        slot = (s.block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * self.block_size
+                + s.positions % self.block_size)
+        s.slot_mapping.copy_(torch.where(s.slot_mapping >= 0, slot, s.slot_mapping))
+
+    def _chain_buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(CHAIN_MAX, b, dtype=torch.int64, device=self.device),
+                torch.zeros(1, dtype=torch.int64, device=self.device))
+
+    @torch.inference_mode()
+    def _capture_chain(self, b: int, pool) -> _Chain:
+        g = self.graphs[(b, 1)]
+        tokens, at = self._chain_buffers(b)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # the static inputs hold padding (slot -1): nothing is written
+                self._chain_step(g, tokens, at)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._chain_step(g, tokens, at)
+        return _Chain(graph, tokens, at)
+
+    def can_chain(self, n: int, steps: int, width: int) -> bool:
+        """Whether `steps` chained steps of n sequences (block tables `width` wide after the last)
+        fit a chain graph."""
+        key = self._bucket(n, 1, width)
+        return 1 <= steps <= CHAIN_MAX and key is not None and key[1] == 1 and key[0] in self.chains
+
+    @torch.inference_mode()
+    def chain(self, batch: ForwardBatch, first_ids: torch.Tensor, steps: int) -> torch.Tensor:
+        """Runs `steps` greedy single-token steps from a batch staged on bucket (b, 1), the first
+        fed first_ids (on the device); [steps, n] argmax ids. The static inputs move on, so the
+        batch is spent afterwards."""
+        g = self._staged_graph(batch)
+        b, q, _ = batch.graph_key
+        c = self.chains.get(b)
+        if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX:
+            raise ValueError(f"no chain of {steps} steps on graph {b}x{q}")
+        n = batch.input_ids.numel()
+        g.batch.input_ids[:n].copy_(first_ids, non_blocking=True)
+        c.at.zero_()
+        for _ in range(steps):
+            c.graph.replay()
+        self.replays += steps
+        g.stamp = next(_STAMPS)
+        return c.tokens[:steps, :n].clone()
+
     def _bucket(self, n: int, q_max: int, width: int) -> tuple[int, int] | None:
         """Every query within a captured length, no more sequences than the largest bucket, a
         context within max_model_len: the smallest such q, then the smallest b."""
@@ -153,17 +234,22 @@ class GraphedForward:
         eagerly: every batch that fits a graph is staged by prepare)."""
         return None if batch.graph_key is None else self._replay_staged(batch)
 
-    def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
+    def _staged_graph(self, batch: ForwardBatch) -> _Graph:
+        """The graph whose static inputs hold `batch` as prepare() staged it (input_ids aside)."""
         b, q, stamp = batch.graph_key
         g = self.graphs.get((b, q))
         if g is None or stamp != g.stamp:
             raise RuntimeError(f"this batch's static inputs (graph {b}x{q}) were overwritten by a later "
                                "step, or it was staged by another runner: forward a staged batch on its "
                                "runner before preparing the next one")
-        s = g.batch
-        if any(getattr(batch, f).data_ptr() != getattr(s, f).data_ptr() for f in _STAGED_ONLY):
+        if any(getattr(batch, f).data_ptr() != getattr(g.batch, f).data_ptr() for f in _STAGED_ONLY):
             raise ValueError(f"a staged batch may replace only input_ids; {', '.join(_STAGED_ONLY)} "
                              "are the graph's static inputs as staged")
+        return g
+
+    def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
+        g = self._staged_graph(batch)
+        s = g.batch
         t = batch.input_ids.numel()
         if batch.input_ids.data_ptr() != s.input_ids.data_ptr():  # ids replaced on the device
             s.input_ids[:t].copy_(batch.input_ids, non_blocking=True)

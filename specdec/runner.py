@@ -86,10 +86,12 @@ class ModelRunner:
         self.graphs = None
 
     def enable_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                           batch_sizes: tuple[int, ...] | None = None) -> None:
-        """Capture decode/verify graphs; forward() replays one whenever a batch fits a bucket."""
+                           batch_sizes: tuple[int, ...] | None = None, chains: bool = False) -> None:
+        """Capture decode/verify graphs; forward() replays one whenever a batch fits a bucket.
+        chains: also the greedy chain graphs that greedy_chain() runs."""
         from specdec.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
-        self.graphs = GraphedForward(self, max_model_len, query_lens, batch_sizes or DEFAULT_BATCH_SIZES)
+        self.graphs = GraphedForward(self, max_model_len, query_lens, batch_sizes or DEFAULT_BATCH_SIZES,
+                                     chains=chains)
 
     # --- sequence lifetime -------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable) -> None:
@@ -138,6 +140,30 @@ class ModelRunner:
             input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, query_start_loc=starts_t,
             context_lens=ctx_t, block_tables=table_t.view(len(items), width), logits_indices=rows_t,
             query_lens_host=query_lens, context_lens_host=ctx_lens)
+
+    def can_chain(self, seq_ids: Sequence[Hashable], steps: int) -> bool:
+        """Whether greedy_chain(seq_ids, ..., steps) runs on a chain graph."""
+        if self.graphs is None or not self.graphs.chains or not seq_ids:
+            return False
+        width = max(self.blocks.blocks_needed(self.blocks.num_tokens(s) + steps) for s in seq_ids)
+        return self.graphs.can_chain(len(seq_ids), steps, width)
+
+    def greedy_chain(self, seq_ids: Sequence[Hashable], first_ids: torch.Tensor, steps: int) -> torch.Tensor:
+        """`steps` greedy single-token forwards of seq_ids on a chain graph (see can_chain): the
+        first feeds first_ids (on the device, one per sequence), each later one the argmax of the
+        one before. The KV slots of all steps are reserved here, then one staged copy and `steps`
+        replays run them with no host work in between. Returns the [steps, len(seq_ids)] argmaxes
+        on the device: what `steps` rounds of prepare, forward and argmax would give."""
+        if not self.can_chain(seq_ids, steps):
+            raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
+        self._reserve_check([SeqInput(s, [0] * steps) for s in seq_ids])
+        starts = [self.blocks.num_tokens(s) for s in seq_ids]
+        slots = [self.blocks.append(s, steps)[0] for s in seq_ids]
+        tables = [self.blocks.block_table(s) for s in seq_ids]
+        n = len(seq_ids)
+        batch = self.graphs.stage([0] * n, starts, slots, list(range(n + 1)), [p + 1 for p in starts],
+                                  tables, list(range(n)), [1] * n, max(len(t) for t in tables))
+        return self.graphs.chain(batch, first_ids, steps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

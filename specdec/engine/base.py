@@ -83,13 +83,18 @@ class ModelEngine:
         """Query lengths whose forwards are graphed when the config does not say; engines override."""
         return (1,)
 
+    # Whether the engine runs greedy chains of single-token steps (GraphedForward's chain graphs).
+    graph_chains = False
+
     def _capture_graphs(self) -> None:
         # Before the server reports SERVING: capture (and Triton compilation) is seconds, paid once.
         query_lens = self.config.graph_query_lens or self.graph_query_lens()
         t0 = time.perf_counter()
-        self.runner.enable_cuda_graphs(self.max_model_len, query_lens, self.config.graph_batch_sizes)
+        self.runner.enable_cuda_graphs(self.max_model_len, query_lens, self.config.graph_batch_sizes,
+                                       chains=self.graph_chains)
+        graphs = self.runner.graphs
         log.info("captured %d CUDA graphs (query lengths %s, batch sizes %s) in %.1fs",
-                 len(self.runner.graphs.graphs), ",".join(map(str, sorted(set(query_lens)))),
+                 len(graphs.graphs) + len(graphs.chains), ",".join(map(str, sorted(set(query_lens)))),
                  ",".join(map(str, sorted(set(self.config.graph_batch_sizes)))),
                  time.perf_counter() - t0)
 

@@ -43,6 +43,8 @@ class Plan:
 
 
 class DraftEngine(ModelEngine):
+    graph_chains = True  # greedy steps after the first run as one chain of graph replays
+
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.states: dict[int, DraftState] = {}
@@ -114,7 +116,9 @@ class DraftEngine(ModelEngine):
         (sequences with num_draft 0 only append); each later one feeds one token per sequence still
         drafting, so sequences with smaller num_draft drop out as they finish. Drafted tokens stay
         on the device and are fed back as the next forward's input ids: the step synchronises
-        once, when they are copied out at the end, not once per position."""
+        once, when they are copied out at the end, not once per position. Greedy steps whose
+        sequences all want the same number of tokens run every position after the first as one
+        chain of graph replays (ModelRunner.greedy_chain) where the GPU path has one."""
         active = [i for i, p in enumerate(plans) if p.seq.num_draft]
         # All greedy: the drafts are the argmaxes (draft_sample's all-greedy result) and no sampling
         # parameters or positions are staged (four pinned host-to-device copies a step).
@@ -150,6 +154,16 @@ class DraftEngine(ModelEngine):
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
             if not keep:
                 break  # every sequence has its drafts (the usual uniform-γ step)
+            if greedy and len(keep) == len(rows):
+                # The usual greedy step: every sequence wants the same number of further tokens,
+                # and on the GPU they run as one chain of graph replays, argmax feeding argmax.
+                left = {plans[active[r]].seq.num_draft - step for r in rows}
+                ids = [plans[active[r]].seq.seq_id for r in rows]
+                if len(left) == 1 and self.runner.can_chain(ids, n := left.pop()):
+                    with clock.forward(n):
+                        chained = self.runner.greedy_chain(ids, tokens, n)     # [n, len(rows)]
+                    steps += [(rows, t, None) for t in chained]
+                    break
             fed = tokens
             if len(keep) < len(rows):
                 kept = as_device_tensor(keep, torch.int64, self.device)

@@ -13,33 +13,40 @@ from specdec.cost_model import CostProfile
 
 class ForwardClock:
     """Times the forwards of one step. On CUDA it records events and reads them only after the
-    step's final device-to-host copy has synchronised, so timing adds no sync inside the step."""
+    step's final device-to-host copy has synchronised, so timing adds no sync inside the step.
+    A timed span may hold several forwards of one batch (a chain graph's replays): each gets
+    an equal share of its time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._host: list[float] = []
+        # Recorded on the stream explicitly: Event.record() looks the current stream up (and the
+        # device with it) in Python on every call, tens of microseconds a forward.
+        self._stream = torch.cuda.current_stream(device) if self.cuda else None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._host: list[tuple[float, int]] = []
 
     @contextmanager
-    def forward(self):
+    def forward(self, count: int = 1):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(self._stream)
             yield
-            end.record()
-            self._events.append((start, end))
+            end.record(self._stream)
+            self._events.append((start, end, count))
         else:
             t0 = time.perf_counter()
             yield
-            self._host.append(time.perf_counter() - t0)
+            self._host.append((time.perf_counter() - t0, count))
 
     def seconds(self) -> list[float]:
         """Per-forward seconds; call after the step's results were copied to the host."""
         if self.cuda:
             if self._events:
                 self._events[-1][1].synchronize()
-            return [s.elapsed_time(e) / 1000.0 for s, e in self._events]
-        return list(self._host)
+            spans = [(s.elapsed_time(e) / 1000.0, n) for s, e, n in self._events]
+        else:
+            spans = self._host
+        return [t / n for t, n in spans for _ in range(n)]
 
 
 class DecodeProfile:

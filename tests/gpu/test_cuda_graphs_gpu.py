@@ -55,3 +55,29 @@ def test_prepare_stages_into_the_graph_and_catches_an_overwritten_batch(tmp_path
     with pytest.raises(RuntimeError, match="overwritten"):
         graphed.forward(first)
     assert torch.isfinite(graphed.forward(second)).all()
+
+
+def test_greedy_chain_replays_equal_greedy_steps(tmp_path):
+    """The draft's chain graphs on the GPU: k greedy single-token steps as k replays (argmax fed
+    back, positions, lengths and slots advanced on the device, across block boundaries of 16)
+    give the tokens of k eager greedy steps, and the same KV per sequence."""
+    from tests.unit.test_graph_staging import seq_kv
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 2), batch_sizes=(1, 2, 4), chains=True)
+    eager, graphed = runners
+    for runner in runners:
+        for s, ids in prompts.items():
+            runner.add_sequence(s)
+        runner.step([SeqInput(s, ids, 1) for s, ids in prompts.items()])
+    assert set(graphed.graphs.chains) == {1, 2, 4}
+    for seqs, steps in (((0, 1, 2), 7), ((1,), 1), ((2, 0), 12)):
+        first = [3 + s for s in seqs]
+        want, fed = [], first
+        for _ in range(steps):
+            logits = eager.step([SeqInput(s, [t]) for s, t in zip(seqs, fed)])
+            fed = [int(x.argmax(-1)) for x in logits]
+            want.append(fed)
+        got = graphed.greedy_chain(list(seqs), torch.tensor(first, device="cuda"), steps)
+        assert got.tolist() == want
+        for s in seqs:
+            assert graphed.num_tokens(s) == eager.num_tokens(s)
+            torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=2e-4, rtol=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig
-from specdec.cuda_graphs import GraphedForward, _Graph
+from specdec.cuda_graphs import CHAIN_MAX, GraphedForward, _Chain, _Graph
 from specdec.kernels.triton_attention import TritonAttention
 from specdec.models.loader import build_model, init_random
 from specdec.runner import ModelRunner, SeqInput
@@ -32,6 +32,16 @@ class _ModelReplay:
         self.logits.copy_(g._model(self.batch, g._kv, g._backend))
 
 
+class _ChainReplay:
+    """A chain graph's replay(): its step on the bucket's static inputs."""
+
+    def __init__(self, graphs: "CpuGraphs", g, tokens, at):
+        self.step = lambda: graphs._chain_step(g, tokens, at)
+
+    def replay(self):
+        self.step()
+
+
 class CpuGraphs(GraphedForward):
     _check_device = staticmethod(lambda device: None)
     _new_pool = staticmethod(lambda: None)
@@ -42,6 +52,11 @@ class CpuGraphs(GraphedForward):
             logits = torch.zeros(b * q, self._model.config.vocab_size)
         return _Graph(_ModelReplay(self, batch, logits), batch, packed, logits)
 
+    def _capture_chain(self, b, pool):
+        with torch.inference_mode():
+            tokens, at = self._chain_buffers(b)
+        return _Chain(_ChainReplay(self, self.graphs[(b, 1)], tokens, at), tokens, at)
+
 
 @pytest.fixture
 def runners():
@@ -51,7 +66,8 @@ def runners():
         return ModelRunner(model, CacheConfig(num_blocks=64, block_size=4, dtype=torch.float32),
                            backend=TritonAttention())
     eager, graphed = runner(), runner()
-    graphed.graphs = CpuGraphs(graphed, max_model_len=64, query_lens=(1, 2, 4), batch_sizes=(1, 2, 4))
+    graphed.graphs = CpuGraphs(graphed, max_model_len=64, query_lens=(1, 2, 4), batch_sizes=(1, 2, 4),
+                               chains=True)
     rng = random.Random(1)
     prompts = {s: [rng.randrange(61) for _ in range(3 + 2 * s)] for s in range(4)}
     for r in (eager, graphed):
@@ -103,3 +119,84 @@ def test_stale_or_altered_staged_batches_are_refused(runners):
     kept = out.clone()  # the result is the caller's: the next replay (other inputs) leaves it alone
     nxt = graphed.forward(graphed.prepare([SeqInput(2, [5]), SeqInput(1, [6])]))
     assert torch.equal(out, kept) and not torch.equal(nxt, out)
+
+
+def seq_kv(runner: ModelRunner, seq_id) -> torch.Tensor:
+    """A sequence's K and V in token order: [layers, 2, tokens, heads, dim]."""
+    table = torch.tensor(runner.blocks.block_table(seq_id))
+    kv = runner.kv.data[:, :, table]                       # [layers, 2, blocks, block_size, heads, dim]
+    return kv.flatten(2, 3)[:, :, :runner.num_tokens(seq_id)]
+
+
+def test_greedy_chain_equals_step_by_step_greedy(runners):
+    """A chain of replays (argmax fed back, positions, context lengths and slots advanced on the
+    device, across block boundaries) gives the tokens and KV of one greedy step at a time."""
+    eager, graphed, rng = runners
+    for seqs, steps in (((0, 2, 3), 6), ((1,), 1), ((3, 0), 9)):
+        first = [rng.randrange(61) for _ in seqs]
+        want, fed = [], first
+        for _ in range(steps):
+            logits = eager.step([SeqInput(s, [t]) for s, t in zip(seqs, fed)])
+            fed = [int(x.argmax(-1)) for x in logits]
+            want.append(fed)
+        before = graphed.graphs.replays
+        got = graphed.greedy_chain(list(seqs), torch.tensor(first), steps)
+        assert got.tolist() == want
+        assert graphed.graphs.replays == before + steps
+        for s in seqs:  # the same KV, in blocks the chain reserved in another order
+            assert graphed.num_tokens(s) == eager.num_tokens(s)
+            torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=1e-5, rtol=0)
+    owned = {b for s in range(4) for b in graphed.blocks.block_table(s)}
+    unowned = [b for b in range(graphed.kv.num_blocks) if b not in owned]
+    assert not graphed.kv.data[:, :, unowned].any()  # padding rows (slot -1) wrote nothing
+    # Ordinary staged steps go on from where the chains left the sequences.
+    items = [SeqInput(s, [rng.randrange(61)]) for s in (0, 1, 2, 3)]
+    for want, got in zip(eager.step(items), graphed.step(items)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_chains_only_where_a_chain_graph_fits(runners):
+    _, graphed, _ = runners
+    assert graphed.can_chain([0, 1, 2, 3], 2)
+    assert not graphed.can_chain([0, 1, 2, 3], CHAIN_MAX + 1)         # longer than any chain
+    assert not graphed.can_chain([0], 64)                             # past max_model_len (64)
+    staged = graphed.prepare([SeqInput(0, [1])])
+    graphed.greedy_chain([1], torch.tensor([5]), 2)                   # same bucket (1, 1): overwrites it
+    with pytest.raises(RuntimeError, match="overwritten"):
+        graphed.forward(staged)
+    with pytest.raises(ValueError, match="no chain graph"):
+        graphed.greedy_chain([0], torch.tensor([5]), CHAIN_MAX + 1)
+
+
+def test_draft_engine_drafts_the_same_through_chains(tmp_path):
+    """DraftEngine's greedy steps on (emulated) graphs with chains: the same drafts and KV use as
+    without graphs, over uniform steps (chained), ragged ones (one position at a time), feeds of
+    1 and 2 tokens and sampled sequences mixed in (no chain), and one forward counted per token."""
+    from specdec.config import EngineConfig
+    from specdec.engine import DraftEngine
+    from specdec.engine.types import DraftSeqInput, SamplingParams
+    from tests.helpers.tiny_models import make_pair
+    _, draft_path = make_pair(tmp_path)
+    config = EngineConfig(model=draft_path, num_blocks=64, block_size=4, warmup_batch_sizes=(1,),
+                          max_num_draft=8)
+    plain, chained = DraftEngine(config), DraftEngine(config)
+    for engine in (plain, chained):  # the GPU's attention (graph-safe: it reads lengths on the device)
+        engine.runner.backend = TritonAttention()
+    chained.runner.graphs = CpuGraphs(chained.runner, max_model_len=128, query_lens=(1, 2),
+                                      batch_sizes=(1, 2, 4), chains=True)
+    sampled = SamplingParams(temperature=0.9, seed=3)
+    steps = [
+        [DraftSeqInput(1, 0, [3, 4, 5], 4, first=True), DraftSeqInput(2, 0, [7, 1], 4, first=True)],
+        [DraftSeqInput(1, 4, [9], 4), DraftSeqInput(2, 1, [8], 4)],        # feeds of 2 and 1 tokens
+        [DraftSeqInput(1, 2, [6], 5), DraftSeqInput(2, 4, [2], 3)],        # ragged: no chain
+        [DraftSeqInput(1, 5, [1], 3), DraftSeqInput(2, 0, [4], 3, sampled)],  # sampled: no chain
+        [DraftSeqInput(1, 3, [2], 6)],
+    ]
+    for step in steps:
+        a, b = plain.propose(step), chained.propose(step)
+        assert [o.tokens for o in b.outputs] == [o.tokens for o in a.outputs]
+        assert all(o.error is None for o in b.outputs)
+        assert b.timing.num_forwards == a.timing.num_forwards == max(s.num_draft for s in step)
+        for s in step:
+            assert chained.runner.num_tokens(s.seq_id) == plain.runner.num_tokens(s.seq_id)
+    assert chained.runner.graphs.replays > 0
