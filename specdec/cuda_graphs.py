@@ -197,17 +197,18 @@ class GraphedForward:
         return 1 <= steps <= CHAIN_MAX and key is not None and key[1] == 1 and key[0] in self.chains
 
     @torch.inference_mode()
-    def chain(self, batch: ForwardBatch, first_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    def chain(self, batch: ForwardBatch, first_ids: torch.Tensor | None, steps: int) -> torch.Tensor:
         """Runs `steps` greedy single-token steps from a batch staged on bucket (b, 1), the first
-        fed first_ids (on the device); [steps, n] argmax ids. The static inputs move on, so the
-        batch is spent afterwards."""
+        fed first_ids (on the device; None: the staged ids); [steps, n] argmax ids. The static
+        inputs move on, so the batch is spent afterwards."""
         g = self._staged_graph(batch)
         b, q, _ = batch.graph_key
         c = self.chains.get(b)
         if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX:
             raise ValueError(f"no chain of {steps} steps on graph {b}x{q}")
         n = batch.input_ids.numel()
-        g.batch.input_ids[:n].copy_(first_ids, non_blocking=True)
+        if first_ids is not None:
+            g.batch.input_ids[:n].copy_(first_ids, non_blocking=True)
         c.at.zero_()
         for _ in range(steps):
             c.graph.replay()

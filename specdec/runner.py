@@ -148,12 +148,14 @@ class ModelRunner:
         width = max(self.blocks.blocks_needed(self.blocks.num_tokens(s) + steps) for s in seq_ids)
         return self.graphs.can_chain(len(seq_ids), steps, width)
 
-    def greedy_chain(self, seq_ids: Sequence[Hashable], first_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    def greedy_chain(self, seq_ids: Sequence[Hashable], first_ids: torch.Tensor | Sequence[int],
+                     steps: int) -> torch.Tensor:
         """`steps` greedy single-token forwards of seq_ids on a chain graph (see can_chain): the
-        first feeds first_ids (on the device, one per sequence), each later one the argmax of the
-        one before. The KV slots of all steps are reserved here, then one staged copy and `steps`
-        replays run them with no host work in between. Returns the [steps, len(seq_ids)] argmaxes
-        on the device: what `steps` rounds of prepare, forward and argmax would give."""
+        first feeds first_ids (host ids, or ids on the device; one per sequence), each later one
+        the argmax of the one before. The KV slots of all steps are reserved here, then one staged
+        copy and `steps` replays run them with no host work in between. Returns the
+        [steps, len(seq_ids)] argmaxes on the device: what `steps` rounds of prepare, forward and
+        argmax would give."""
         if not self.can_chain(seq_ids, steps):
             raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
         self._reserve_check([SeqInput(s, [0] * steps) for s in seq_ids])
@@ -161,9 +163,11 @@ class ModelRunner:
         slots = [self.blocks.append(s, steps)[0] for s in seq_ids]
         tables = [self.blocks.block_table(s) for s in seq_ids]
         n = len(seq_ids)
-        batch = self.graphs.stage([0] * n, starts, slots, list(range(n + 1)), [p + 1 for p in starts],
-                                  tables, list(range(n)), [1] * n, max(len(t) for t in tables))
-        return self.graphs.chain(batch, first_ids, steps)
+        on_device = isinstance(first_ids, torch.Tensor)
+        batch = self.graphs.stage([0] * n if on_device else list(first_ids), starts, slots,
+                                  list(range(n + 1)), [p + 1 for p in starts], tables, list(range(n)),
+                                  [1] * n, max(len(t) for t in tables))
+        return self.graphs.chain(batch, first_ids if on_device else None, steps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -136,6 +136,11 @@ class DraftEngine(ModelEngine):
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
         step = 0
+        if greedy and len(active) == len(plans) and all(len(p.feed) == 1 for p in plans):
+            # Every sequence feeds one token (the target's correction) and drafts: the whole
+            # step can be one chain, its first forward included.
+            if self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps):
+                items = []
         while items:
             with clock.forward():
                 batch = self.runner.prepare(items)
@@ -154,16 +159,9 @@ class DraftEngine(ModelEngine):
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
             if not keep:
                 break  # every sequence has its drafts (the usual uniform-γ step)
-            if greedy and len(keep) == len(rows):
-                # The usual greedy step: every sequence wants the same number of further tokens,
-                # and on the GPU they run as one chain of graph replays, argmax feeding argmax.
-                left = {plans[active[r]].seq.num_draft - step for r in rows}
-                ids = [plans[active[r]].seq.seq_id for r in rows]
-                if len(left) == 1 and self.runner.can_chain(ids, n := left.pop()):
-                    with clock.forward(n):
-                        chained = self.runner.greedy_chain(ids, tokens, n)     # [n, len(rows)]
-                    steps += [(rows, t, None) for t in chained]
-                    break
+            if greedy and len(keep) == len(rows) and self._chain(
+                    [plans[active[r]] for r in rows], tokens, rows, step, clock, steps):
+                break
             fed = tokens
             if len(keep) < len(rows):
                 kept = as_device_tensor(keep, torch.int64, self.device)
@@ -185,6 +183,21 @@ class DraftEngine(ModelEngine):
         flat = [row for rows_i in qs for row in rows_i]
         parts = torch.stack(flat).cpu().split([len(q) for q in qs]) if flat else [None] * len(qs)
         return drafted, [part if q else None for q, part in zip(qs, parts)]
+
+    def _chain(self, plans: list[Plan], first_ids, rows: list[int], done: int, clock,
+               steps: list) -> bool:
+        """The rest of a greedy step as one chain of graph replays (ModelRunner.greedy_chain), when
+        every plan wants the same number of further tokens and a chain graph fits: their drafts
+        go to `steps` (one entry per position, rows as given) and True is returned. `done`
+        positions were drafted already; first_ids (host or device) feed the first forward."""
+        left = {p.seq.num_draft - done for p in plans}
+        ids = [p.seq.seq_id for p in plans]
+        if len(left) != 1 or not self.runner.can_chain(ids, n := left.pop()):
+            return False
+        with clock.forward(n):
+            chained = self.runner.greedy_chain(ids, first_ids, n)              # [n, len(plans)]
+        steps += [(rows, t, None) for t in chained]
+        return True
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:
         # Forwards after the first feed exactly one token per sequence: live single-token samples.

@@ -188,15 +188,22 @@ def test_draft_engine_drafts_the_same_through_chains(tmp_path):
     steps = [
         [DraftSeqInput(1, 0, [3, 4, 5], 4, first=True), DraftSeqInput(2, 0, [7, 1], 4, first=True)],
         [DraftSeqInput(1, 4, [9], 4), DraftSeqInput(2, 1, [8], 4)],        # feeds of 2 and 1 tokens
+        [DraftSeqInput(1, 1, [5], 4), DraftSeqInput(2, 2, [3], 4)],        # 1-token feeds: one chain
         [DraftSeqInput(1, 2, [6], 5), DraftSeqInput(2, 4, [2], 3)],        # ragged: no chain
         [DraftSeqInput(1, 5, [1], 3), DraftSeqInput(2, 0, [4], 3, sampled)],  # sampled: no chain
         [DraftSeqInput(1, 3, [2], 6)],
     ]
+    replays = []
     for step in steps:
+        before = chained.runner.graphs.replays
         a, b = plain.propose(step), chained.propose(step)
+        replays.append(chained.runner.graphs.replays - before)
         assert [o.tokens for o in b.outputs] == [o.tokens for o in a.outputs]
         assert all(o.error is None for o in b.outputs)
         assert b.timing.num_forwards == a.timing.num_forwards == max(s.num_draft for s in step)
         for s in step:
             assert chained.runner.num_tokens(s.seq_id) == plain.runner.num_tokens(s.seq_id)
-    assert chained.runner.graphs.replays > 0
+    # Prompts run eagerly, then a chain of 3; feeds of 2 tokens: the (2, 2) graph, then a chain of 3;
+    # 1-token feeds: one chain of 4 (the first forward included); ragged: one replay per position
+    # (5); sampled: no chains (3); a single sequence with a 1-token feed: a chain of 6.
+    assert replays == [3, 4, 4, 5, 3, 6]
