@@ -93,8 +93,16 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
     with coordinator(target, draft, log_dir, ["--max-batch-size", str(max(batches)),
                                                "--num-draft", str(a.gamma)]) as coord:
         used = prompts[:max(b * a.waves for b in batches)]
-        # Warm-up over every prompt: eager prefill shapes compile their Triton kernels here.
+        # Warm-up over every prompt: eager prefill shapes compile their Triton kernels here. Then
+        # both modes at the largest batch for two waves, so that steps mixing a joining request's
+        # prompt with other sequences' decode or verify tokens (eager, with shapes of their own)
+        # compile before the timed passes: in one run the first batch-8 pass through a fresh 7B
+        # target lost ~1.6 s to such a stall (bench/README.md).
         run_concurrent(coord.address, used, max(batches), max_new_tokens=4, ignore_eos=True)
+        for speculate in (False, True):
+            run_concurrent(coord.address, used[:2 * max(batches)], max(batches), max_new_tokens=16,
+                           ignore_eos=True, speculate=speculate,
+                           **({"num_draft": a.gamma} if speculate else {}))
         tprof, dprof = decode_profile(target), decode_profile(draft)
         for b in batches:
             ps = used[:b * a.waves]
