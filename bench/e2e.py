@@ -148,6 +148,9 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "plain": plain, "spec": spec}
             if row["overhead_ms_spec"] is not None and row["step_ms_spec"]:
                 row["overhead_frac_spec"] = row["overhead_ms_spec"] / row["step_ms_spec"]
+            if row["target_forward_ms_spec"] and row["target_forward_ms_plain"]:
+                # Leviathan's expected speedup assumes a verify forward costs a decode forward
+                row["verify_ratio"] = row["target_forward_ms_spec"] / row["target_forward_ms_plain"]
             rows.append(row)
             print(f"{label} gpus={gpus} batch={b}: plain {_f(plain['tok_s'])} tok/s, spec "
                   f"{_f(spec['tok_s'])} tok/s, acceptance {_f(spec['acceptance'], '.3f')}, "
@@ -401,7 +404,8 @@ def main(argv=None) -> int:
         ("target_host_ms_plain", "target host", ".2f"), ("overhead_ms_plain", "transport", ".2f"),
         ("step_ms_spec", "spec step", ".2f"), ("draft_forward_ms_spec", "draft fwd", ".2f"),
         ("draft_host_ms_spec", "draft host", ".2f"), ("target_forward_ms_spec", "target fwd", ".2f"),
-        ("target_host_ms_spec", "target host", ".2f"), ("overhead_ms_spec", "transport", ".2f")]))
+        ("target_host_ms_spec", "target host", ".2f"), ("overhead_ms_spec", "transport", ".2f"),
+        ("verify_ratio", "verify / decode fwd", ".2f")]))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")
     print(f"wrote {path} ({result['elapsed_s']:.0f}s)")

@@ -98,6 +98,12 @@ PANELS = [
         (quantile(0.9, "specdec_step_overhead_seconds", "mode"), "p90 {{mode}}")],
      "Step wall time minus the servers' handling of its Propose and Verify: what transport and the "
      "coordinator add to every step (the performance goal: <= 5% of a Llama-7B target step)."),
+    ("Server step time: forward and host", "s", "timeseries", [
+        ('sum by (role, part) (rate(specdec_server_step_seconds_sum[$__rate_interval])) / '
+         'sum by (role, part) (rate(specdec_server_step_seconds_count[$__rate_interval]))',
+         "{{role}} {{part}}")],
+     "Mean per step of each server's own handling, as the coordinator receives it: device time of "
+     "its forwards and the rest (request conversion, scheduling, launches, sampling, response)."),
     ("RPC time p90", "s", "timeseries", [
         (quantile(0.9, "specdec_rpc_seconds", "role, rpc"), "{{role}} {{rpc}}")],
      "Coordinator round trips against the servers' own handling time of the same RPCs."),
