@@ -163,7 +163,9 @@ class ModelRunner:
         slots = [self.blocks.append(s, steps)[0] for s in seq_ids]
         tables = [self.blocks.block_table(s) for s in seq_ids]
         n = len(seq_ids)
-        on_device = isinstance(first_ids, torch.Tensor)
+        on_device = isinstance(first_ids, torch.Tensor) and first_ids.device == self.device
+        if isinstance(first_ids, torch.Tensor) and not on_device:
+            first_ids = first_ids.tolist()
         batch = self.graphs.stage([0] * n if on_device else list(first_ids), starts, slots,
                                   list(range(n + 1)), [p + 1 for p in starts], tables, list(range(n)),
                                   [1] * n, max(len(t) for t in tables))

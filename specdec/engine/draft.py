@@ -194,6 +194,8 @@ class DraftEngine(ModelEngine):
         ids = [p.seq.seq_id for p in plans]
         if len(left) != 1 or not self.runner.can_chain(ids, n := left.pop()):
             return False
+        # One timed span for the chain (its staging copy included), split evenly over its n
+        # forwards: the live decode profile (and c) gets the chain's mean forward time.
         with clock.forward(n):
             chained = self.runner.greedy_chain(ids, first_ids, n)              # [n, len(plans)]
         steps += [(rows, t, None) for t in chained]

@@ -59,9 +59,9 @@ class EngineRuntime:
         and its live single-token forwards go into the decode histogram."""
         self.metrics.watch_profile(engine.profile.costs)
         engine.profile.on_sample.append(self._on_decode_forward)
-        if engine.device.type == "cuda":
+        if engine.device.type == "cuda" and engine.device.index is not None:
             # Inline calls run on this (the loop's) thread: Triton launches and graph replays use
-            # the thread's current device (see ModelEngine.__init__).
+            # the thread's current device (see ModelEngine.__init__; bare "cuda" is the default).
             torch.cuda.set_device(engine.device)
         self.engine = engine
 
@@ -82,10 +82,25 @@ class EngineRuntime:
             raise NotReady("the model is still loading")
         if self.profiler is not None:
             fn, args = self.profiler.runcall, (fn, *args)  # calls never overlap: one thread at a time
-        async with self._lock:
-            if inline:
+        await self._lock.acquire()
+        if inline:
+            try:
                 return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            finally:
+                self._lock.release()
+        # The lock goes with the call itself, not with this coroutine: a caller cancelled (its
+        # client went away) while the engine thread still runs fn must not let the next call in.
+        done = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        done.add_done_callback(self._release_after)
+        return await asyncio.shield(done)
+
+    def _release_after(self, call: asyncio.Future) -> None:
+        """Done callback of an executor call: the engine is free for the next call. Reading the
+        exception marks it retrieved (a caller cancelled meanwhile never awaits it; one that
+        waits still gets it raised)."""
+        self._lock.release()
+        if not call.cancelled():
+            call.exception()
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ the server's metrics of each step. Subclasses only convert one step's pb request
 call and back (`_step`) and say which forwards it ran (`_observe_forwards`)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -11,11 +12,20 @@ from protos import specdec_pb2 as pb
 from specdec.serving import convert
 from specdec.serving.server import EngineRuntime
 
+log = logging.getLogger(__name__)
 _CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
 # Steps whose sequences each bring at most this many new token ids (decode and verify steps: the
-# target's last token, the draft's correction plus the last draft) run inline on the event loop;
-# steps with prompts run on the engine thread, so that health checks are answered meanwhile.
+# target's last token, the draft's correction plus the last draft) and whose request is small run
+# inline on the event loop; steps with prompts, or with draft distributions to decode (a
+# sampled verify carries k x vocabulary weights per sequence), run on the engine thread, so that
+# health checks are answered meanwhile.
 INLINE_MAX_NEW_TOKENS = 2
+INLINE_MAX_REQUEST_BYTES = 64 << 10
+
+
+def runs_inline(request) -> bool:
+    return (all(len(s.new_tokens) <= 4 * INLINE_MAX_NEW_TOKENS for s in request.seqs)  # int32 ids
+            and request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
 
 
 class ModelServicer:
@@ -26,16 +36,22 @@ class ModelServicer:
 
     async def _steps(self, request_iterator):
         # One step at a time per stream (the next request is read after the answer is written);
-        # several streams may be open, and their steps queue for the engine. The step's metrics
-        # are recorded after its answer is on its way, while the coordinator is busy with it.
+        # several streams may be open, and their steps queue for the engine. Errors and the RPC
+        # time are counted before the answer goes out; the rest of the step's metrics after it,
+        # while the coordinator is busy with it (and also when the stream ends right there).
         runtime = self.runtime
         async for request in request_iterator:
             received = time.perf_counter()
-            inline = all(len(s.new_tokens) <= 4 * INLINE_MAX_NEW_TOKENS for s in request.seqs)  # int32
             response, decode_seconds = await runtime.call(self._timed_step, request, received,
-                                                          inline=inline)
-            yield response
-            await runtime.call(self._account, request, response, decode_seconds, inline=True)
+                                                          inline=runs_inline(request))
+            self._count(response)
+            try:
+                yield response
+            finally:
+                try:
+                    await runtime.call(self._account, request, response, decode_seconds, inline=True)
+                except Exception:  # the answer is out: a metrics failure must not end the stream
+                    log.exception("recording the metrics of step %d failed", request.step)
 
     def _timed_step(self, request, received: float):
         """(_step's response, seconds of the step's single-token forwards)."""
@@ -43,15 +59,19 @@ class ModelServicer:
         response = self._step(request, received)
         return response, self.runtime.decode_seconds
 
-    def _account(self, request, response, decode_seconds: float) -> None:
-        """The server's metrics of one answered step (gauges are read by scrapes meanwhile)."""
-        runtime, metrics = self.runtime, self.runtime.metrics
-        self._observe_forwards(request, response, decode_seconds)
+    def _count(self, response) -> None:
+        """The step's per-sequence errors and its handling time (no engine state read)."""
+        metrics = self.runtime.metrics
         for r in response.results:
             if r.HasField("error") and r.error.code:
                 metrics.count_error(_CODE_NAMES.get(r.error.code, "UNKNOWN"))
-        runtime.publish_state()
         metrics.observe_rpc(self.rpc_name, response.timing.step_seconds)
+
+    def _account(self, request, response, decode_seconds: float) -> None:
+        """The rest of an answered step's metrics: forward histograms and the KV / sequence gauges
+        (engine state, so an engine call; scrapes read the gauges meanwhile)."""
+        self._observe_forwards(request, response, decode_seconds)
+        self.runtime.publish_state()
 
     def _step(self, request, received: float):
         raise NotImplementedError

@@ -155,6 +155,24 @@ def test_greedy_chain_equals_step_by_step_greedy(runners):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_a_chain_may_end_at_max_model_len(runners):
+    """The last step of a chain that fills the context moves the inputs past the last block;
+    that position is never written, and its block index stays inside the table."""
+    eager, graphed, rng = runners
+    prompt = [rng.randrange(61) for _ in range(60)]
+    for r in (eager, graphed):
+        r.add_sequence(9)
+        r.step([SeqInput(9, prompt)])                              # eager: 60 tokens of max 64
+    assert graphed.can_chain([9], 4) and not graphed.can_chain([9], 5)
+    want, fed = [], [7]
+    for _ in range(4):
+        fed = [int(eager.step([SeqInput(9, fed)])[0].argmax(-1))]
+        want.append(fed)
+    assert graphed.greedy_chain([9], [7], 4).tolist() == want
+    assert graphed.num_tokens(9) == 64
+    torch.testing.assert_close(seq_kv(graphed, 9), seq_kv(eager, 9), atol=1e-5, rtol=0)
+
+
 def test_chains_only_where_a_chain_graph_fits(runners):
     _, graphed, _ = runners
     assert graphed.can_chain([0, 1, 2, 3], 2)

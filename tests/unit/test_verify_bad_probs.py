@@ -63,6 +63,7 @@ def good(seq_id: int) -> pb.VerifySeq:
 def step(servicer, request):
     """One step as the servicer's stream runs it (step, then its metrics), without a stream."""
     response, decode_seconds = servicer._timed_step(request, time.perf_counter())
+    servicer._count(response)
     servicer._account(request, response, decode_seconds)
     return response
 
