@@ -10,7 +10,7 @@ Sections, in this order (one not started when the deadline would pass is recorde
   demo-1gpu  demo pair (models/target, models/draft; real acceptance), both on cuda:0
   hf-demo    transformers generate on the demo pair, plain and assisted, batch 1
   7b         Llama-7B shape with the llama-68m, llama-160m and tinyllama-1.1b shapes as drafts,
-             batch 1, one GPU; random weights (servers' --random-weights: no checkpoint on disk)
+             batch 1 and 8 (--batches-7b), one GPU; random weights (servers' --random-weights: no checkpoint on disk)
              built to agree (--random-agreement: the target 1, each draft --agreement, default
              0.8; specdec/models/synthetic.py), so speculation has a real acceptance to work
              with; --agreement -1 gives plain random weights (acceptance ~0); the target server
@@ -62,7 +62,7 @@ TINY = {"target": dict(architectures=["LlamaForCausalLM"], model_type="llama", v
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)}
 # Rough seconds a section needs once started (start-up included); a section starts only if the
 # deadline leaves it this much.
-ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 60, "7b-draft": 20, "demo-2gpu": 30, "7b-2gpu": 60,
+ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 90, "7b-draft": 30, "demo-2gpu": 30, "7b-2gpu": 90,
             "hf-7b": 45}
 
 
@@ -280,7 +280,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="demo pair on one GPU, HF, 7B with the 68m draft")
     p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run")
     p.add_argument("--batches", type=int, nargs="+", help="concurrent clients (default 1 8; smoke 1 2)")
-    p.add_argument("--batches-7b", type=int, nargs="+", default=[1])
+    p.add_argument("--batches-7b", type=int, nargs="+", default=[1, 8])
     p.add_argument("--agreement", type=float, default=0.8,
                    help="the 7B pairs' random drafts agree with the target's greedy choice on this "
                         "fraction of the vocabulary (-1: plain random weights)")

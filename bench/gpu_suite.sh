@@ -3,8 +3,8 @@
 # Logs and the stages' JSON go to $OUT (default bench/results); only those files are copied, since
 # the device returns a bounded number of files.
 #   bash bench/gpu_suite.sh STAGE...
-# Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, serving, attention,
-#         decode, cost, gemv. Suggested calls (each < 10 min):
+# Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-profile
+#         (profiles.tgz), serving, attention, decode, cost, gemv. Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~200 s
 #   bash bench/gpu_suite.sh tests-attention       # ~300 s
 #   bash bench/gpu_suite.sh e2e numerics          # ~300 s
@@ -47,6 +47,11 @@ for s in "$@"; do
              tests/gpu/test_triton_attention_gpu.py ;;
     numerics) run numerics "${NUMERICS_S:-120}" python3 bench/numerics.py; keep numerics.json ;;
     e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}"; keep e2e.json ;;
+    e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files)
+      rm -rf /tmp/specdec-profiles && mkdir -p /tmp/specdec-profiles
+      SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \
+        --sections 7b --batches-7b 1 --deadline "${E2E_DEADLINE:-150}"
+      tar czf "$OUT/profiles.tgz" -C /tmp/specdec-profiles . ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
     decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf; keep decode.json ;;
