@@ -149,8 +149,11 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             if row["overhead_ms_spec"] is not None and row["step_ms_spec"]:
                 row["overhead_frac_spec"] = row["overhead_ms_spec"] / row["step_ms_spec"]
             if row["target_forward_ms_spec"] and row["target_forward_ms_plain"]:
-                # Leviathan's expected speedup assumes a verify forward costs a decode forward
-                row["verify_ratio"] = row["target_forward_ms_spec"] / row["target_forward_ms_plain"]
+                # Leviathan's expected speedup assumes a verify forward costs a decode forward;
+                # with the measured ratio r in its place: τ / (γc + r)
+                r = row["verify_ratio"] = row["target_forward_ms_spec"] / row["target_forward_ms_plain"]
+                if tau and c is not None:
+                    row["expected_verify"] = tau / (a.gamma * c + r)
             rows.append(row)
             print(f"{label} gpus={gpus} batch={b}: plain {_f(plain['tok_s'])} tok/s, spec "
                   f"{_f(spec['tok_s'])} tok/s, acceptance {_f(spec['acceptance'], '.3f')}, "
@@ -405,7 +408,8 @@ def main(argv=None) -> int:
         ("step_ms_spec", "spec step", ".2f"), ("draft_forward_ms_spec", "draft fwd", ".2f"),
         ("draft_host_ms_spec", "draft host", ".2f"), ("target_forward_ms_spec", "target fwd", ".2f"),
         ("target_host_ms_spec", "target host", ".2f"), ("overhead_ms_spec", "transport", ".2f"),
-        ("verify_ratio", "verify / decode fwd", ".2f")]))
+        ("verify_ratio", "verify / decode fwd", ".2f"), ("speedup", "speedup", ".2f"),
+        ("expected_verify", "expected (c, verify)", ".2f")]))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")
     print(f"wrote {path} ({result['elapsed_s']:.0f}s)")
