@@ -30,6 +30,10 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--gamma", dest="gamma_policy", choices=("fixed", "auto"),
                    default=d["gamma_policy"].default,
                    help="auto: pick num_draft per request from its acceptance and the cost ratio c")
+    p.add_argument("--spec-max-batch", type=int, default=d["spec_max_batch"].default,
+                   help="steps with more running sequences than this decode without drafts (at large "
+                        "batches a verify forward costs more than a decode forward and speculation "
+                        "can lose: bench/README.md); 0 (default): no limit")
     p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default)
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float,
                    default=d["connect_timeout_s"].default,

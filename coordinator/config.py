@@ -23,6 +23,7 @@ class CoordinatorConfig:
     num_draft: int = 4                # default draft tokens per step
     max_num_draft: int = 8            # most a request (or the auto policy) may ask for
     gamma_policy: str = "fixed"       # how num_draft is chosen when a request leaves it to us
+    spec_max_batch: int = 0           # steps with more running sequences decode plainly; 0: no limit
     prefill_chunk: int = 512          # prompt tokens per target step (longer prompts are chunked)
     connect_timeout_s: float = 60.0   # how long start-up, and recovery from a lost target, wait for a server
     target_timeout_s: float = 120.0   # a target step slower than this counts as the target lost
@@ -40,6 +41,8 @@ class CoordinatorConfig:
         for name in ("max_batch_size", "max_num_draft", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.spec_max_batch < 0:
+            raise ConfigError(f"spec_max_batch must be >= 0 (0: no limit), got {self.spec_max_batch}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if not 0 <= self.num_draft <= self.max_num_draft:

@@ -135,16 +135,18 @@ class SpecLoop:
             return
 
     # --- one step ----------------------------------------------------------------------------
-    def _plan(self, seq: Sequence) -> Plan:
+    def _plan(self, seq: Sequence, batch: int) -> Plan:
         chunk = self.config.prefill_chunk
         if seq.prefilling and len(seq.target_pending) > chunk:
             return Plan(seq, seq.target_pending[:chunk], partial=True)
-        return Plan(seq, list(seq.target_pending), num_draft=self._num_draft(seq))
+        return Plan(seq, list(seq.target_pending), num_draft=self._num_draft(seq, batch))
 
-    def _num_draft(self, seq: Sequence) -> int:
-        if not (seq.use_draft and self.draft_up):
-            return 0
+    def _num_draft(self, seq: Sequence, batch: int) -> int:
         cfg = self.config
+        if not (seq.use_draft and self.draft_up) or 0 < cfg.spec_max_batch < batch:
+            # Above --spec-max-batch the step decodes plainly; the draft catches up on the tokens
+            # it missed (draft_pending) at the next step that drafts.
+            return 0
         alpha, c = self._policy_inputs
         k = choose_num_draft(requested=seq.params.num_draft, policy=cfg.gamma_policy,
                              default=cfg.num_draft, max_gamma=cfg.max_num_draft,
@@ -163,7 +165,7 @@ class SpecLoop:
             stats = self.metrics.stats
             window = stats.window()
             self._policy_inputs = (window.alpha, stats.c.get(bucket_for(len(seqs), stats.buckets), window.c))
-        plans = [self._plan(seq) for seq in seqs]
+        plans = [self._plan(seq, len(seqs)) for seq in seqs]
         t0 = time.perf_counter()
         draft_timing = await self._propose(plans)
         t1 = time.perf_counter()

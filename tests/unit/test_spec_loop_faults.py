@@ -173,7 +173,7 @@ def target_info() -> pb.ModelInfo:
     return pb.ModelInfo(vocab_size=V, max_model_len=MAX_LEN, kv_blocks_total=1000, block_size=16)
 
 
-def make_loop(draft: FakeDraft | None, target: FakeTarget | None = None):
+def make_loop(draft: FakeDraft | None, target: FakeTarget | None = None, **config_kw):
     target = target or FakeTarget()
     sched = Scheduler(8, 8, KVCapacity("target", 1000, 16), KVCapacity("draft", 1000, 16))
 
@@ -181,13 +181,14 @@ def make_loop(draft: FakeDraft | None, target: FakeTarget | None = None):
         return None
 
     metrics = CoordinatorMetrics(CollectorRegistry(), max_positions=8)
-    loop = SpecLoop(config(), sched, target, draft, metrics, vocab_size=V, draft_max_len=MAX_LEN,
+    loop = SpecLoop(config(**config_kw), sched, target, draft, metrics, vocab_size=V, draft_max_len=MAX_LEN,
                     check_draft=check_draft if draft is not None else None)
     return loop, sched, target
 
 
-def new_seq(tok, seq_id: int, temperature: float = 0.0, speculate: bool = True) -> Sequence:
-    params = GenParams(request_id=str(seq_id), prompt_ids=PROMPT, max_new_tokens=NEW,
+def new_seq(tok, seq_id: int, temperature: float = 0.0, speculate: bool = True,
+            max_new_tokens: int = NEW) -> Sequence:
+    params = GenParams(request_id=str(seq_id), prompt_ids=PROMPT, max_new_tokens=max_new_tokens,
                        sampling=Sampling(temperature=temperature, seed=seq_id), speculate=speculate)
     return Sequence(seq_id=seq_id, params=params, max_len=MAX_LEN, tokenizer=tok)
 
@@ -407,3 +408,45 @@ def test_dead_loop_task_fails_every_client(tmp_path):
 
 def gen_params() -> GenParams:
     return GenParams(request_id="r", prompt_ids=PROMPT, max_new_tokens=NEW, sampling=Sampling())
+
+
+def test_steps_above_spec_max_batch_decode_plainly(tmp_path):
+    """--spec-max-batch 2: while three sequences run, no step drafts; once one has finished the
+    other two draft again, the draft catching up on the tokens it missed; every output is exact."""
+    class CountingDraft(FakeDraft):
+        def __init__(self):
+            super().__init__()
+            self.batches: list[int] = []
+
+        async def step(self, request, timeout=None):
+            self.batches.append(len(request.seqs))
+            return await super().step(request, timeout)
+
+    draft = CountingDraft()
+
+    async def main():
+        loop, sched, target = make_loop(draft, spec_max_batch=2)
+        task = asyncio.create_task(loop.run())
+        tok = tokenizer(tmp_path)
+        seqs = [new_seq(tok, 1, max_new_tokens=6), new_seq(tok, 2), new_seq(tok, 3, temperature=0.7)]
+        for seq in seqs:
+            sched.submit(seq)
+        try:
+            return await asyncio.gather(*(collect(s) for s in seqs)), target
+        finally:
+            task.cancel()
+
+    results, target = asyncio.run(main())
+    assert [tokens for tokens, _ in results] == [plain_greedy(PROMPT, 6), plain_greedy(PROMPT, NEW),
+                                                 plain_greedy(PROMPT, NEW)]
+    assert draft.batches and max(draft.batches) <= 2     # nothing drafted while three ran
+    assert target.accepted > 0 and not target.violations  # and the proposals after it were good
+
+
+def test_spec_max_batch_on_the_command_line():
+    from coordinator.__main__ import parse_args
+    from coordinator.config import ConfigError
+    assert parse_args(["--target", "t:1", "--spec-max-batch", "4"]).spec_max_batch == 4
+    assert parse_args(["--target", "t:1"]).spec_max_batch == 0   # no limit by default
+    with pytest.raises(ConfigError, match="spec_max_batch"):
+        CoordinatorConfig(target="t:1", spec_max_batch=-1)
