@@ -140,18 +140,26 @@ class GraphedForward:
                             query_lens_host=list(query_lens), context_lens_host=list(ctx_lens),
                             graph_key=(b, q, g.stamp))
 
-    @torch.inference_mode()
-    def _capture(self, b: int, q: int, pool) -> _Graph:
-        batch, packed = self._static_batch(b, q)
+    @staticmethod
+    def _record(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+        """fn() run twice on a side stream (Triton kernels compile and allocations settle outside
+        the capture), then captured into a graph on `pool`: (the graph, what the captured call
+        returned)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                self._model(batch, self._kv, self._backend)
+            for _ in range(2):
+                fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self._model(batch, self._kv, self._backend)
+            out = fn()
+        return graph, out
+
+    @torch.inference_mode()
+    def _capture(self, b: int, q: int, pool) -> _Graph:
+        batch, packed = self._static_batch(b, q)
+        graph, logits = self._record(lambda: self._model(batch, self._kv, self._backend), pool)
         return _Graph(graph, batch, packed, logits)
 
     def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor) -> None:
@@ -179,15 +187,9 @@ class GraphedForward:
     def _capture_chain(self, b: int, pool) -> _Chain:
         g = self.graphs[(b, 1)]
         tokens, at = self._chain_buffers(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # the static inputs hold padding (slot -1): nothing is written
-                self._chain_step(g, tokens, at)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._chain_step(g, tokens, at)
+        # The warm-up runs advance the static inputs, which hold padding (slot -1): nothing is
+        # written, and every chain stages its own inputs and resets `at` first.
+        graph, _ = self._record(lambda: self._chain_step(g, tokens, at), pool)
         return _Chain(graph, tokens, at)
 
     def can_chain(self, n: int, steps: int, width: int) -> bool:
