@@ -1,0 +1,230 @@
+"""Where a step's time goes inside the engines, with no gRPC: the same draft and target engines the
+servers run, driven in one process by a minimal coordinator loop.
+
+    python3 bench/anatomy.py [--target llama-7b] [--draft llama-68m] [--batches 1 8] [--k 4]
+                             [--steps 48] [--agreement 0.8] [--profile]
+
+Per batch size, side by side in one run on the same engines:
+- replay: device time of one CUDA-graph replay (do_bench) of the target's (b, 1) and (b, k+1)
+  buckets and of the draft's (b, 1) bucket and chain;
+- plain: target.verify with no drafts (what a plain decode step costs the target server), wall
+  time per call, and the engine's own forward span (StepTiming.forward_seconds, what the servers
+  export as `forward`);
+- spec: draft.propose then target.verify per step, each timed the same way;
+- join: a speculative step in which a new request's 100-token prompt takes one sequence's place
+  (the step continuous batching runs whenever a request arrives; --graph-prefill-lens none
+  for the eager path).
+`in-process speedup` = (tokens per spec step / spec step ms) / (1 / plain step ms): the speedup the
+services would reach with free transport. `verify / decode` compares the target's wall times.
+--profile adds a torch.profiler table of 8 speculative steps at the first batch size (top device
+kernels and host ops). Writes bench/results/anatomy.json.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import environment, table, write_result
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from services import write_shape_folder  # noqa: E402
+from specdec.config import EngineConfig  # noqa: E402
+from specdec.engine import DraftEngine, TargetEngine  # noqa: E402
+from specdec.engine.types import DraftSeqInput, VerifySeqInput  # noqa: E402
+
+PROMPT = 128
+JOIN_PROMPT = 100  # a request joining a running batch: its prompt beside the others' verifies
+
+
+def engines(target_dir: Path, draft_dir: Path, agreement: float, max_model_len: int, k: int,
+            device: str, batches: list[int], prefill_lens: tuple[int, ...] | None):
+    def config(path, agree):
+        return EngineConfig(model=str(path), device=device, dtype=torch.bfloat16, random_weights=True,
+                            random_agreement=agree, max_model_len=max_model_len,
+                            kv_memory=(8 << 30) if device == "cuda" else (64 << 20),
+                            max_num_draft=k, graph_batch_sizes=tuple(sorted(set(batches))),
+                            warmup_batch_sizes=tuple(sorted(set(batches))),
+                            graph_prefill_lens=prefill_lens)
+    agree_t = 1.0 if agreement >= 0 else None
+    agree_d = agreement if agreement >= 0 else None
+    target = TargetEngine(config(target_dir, agree_t))
+    draft = DraftEngine(config(draft_dir, agree_d))
+    for e in (target, draft):
+        e.warm_up()
+    return draft, target
+
+
+class Loop:
+    """A minimal coordinator over b sequences: plain steps (verify without drafts) or speculative
+    steps (propose k, verify), each call timed on the host and by the engine's own clock."""
+
+    def __init__(self, draft: DraftEngine, target: TargetEngine, b: int, k: int, seed: int):
+        self.draft, self.target, self.k = draft, target, k
+        rng = random.Random(seed)
+        self.ids = [10_000 * (seed + 1) + i for i in range(b)]
+        prompts = [[rng.randrange(32000) for _ in range(PROMPT)] for _ in range(b)]
+        out = target.verify([VerifySeqInput(s, p, first=True) for s, p in zip(self.ids, prompts)])
+        prop = draft.propose([DraftSeqInput(s, 0, p, 0, first=True) for s, p in zip(self.ids, prompts)])
+        assert all(o.error is None for o in out.outputs + prop.outputs)
+        self.next = [o.next_token for o in out.outputs]
+        self.keep = [0] * b
+        self.tokens = 0
+
+    def plain(self) -> dict:
+        t0 = time.perf_counter()
+        res = self.target.verify([VerifySeqInput(s, [t]) for s, t in zip(self.ids, self.next)])
+        wall = time.perf_counter() - t0
+        self.next = [o.next_token for o in res.outputs]
+        self.tokens += len(self.ids)
+        # The draft must follow the plain tokens too, or the next spec step would diverge: skipped
+        # here (plain and spec runs use separate sequences).
+        return {"target_wall": wall, "target_fwd": res.timing.forward_seconds}
+
+    def spec(self, join: list[int] | None = None) -> dict:
+        """One speculative step; join: a new sequence's prompt that takes the last sequence's
+        place in this step's verify (what the target runs when a request arrives; the last
+        sequence sits the step out, and the newcomer is released after it)."""
+        n = len(self.ids) - (join is not None)
+        ids, keep, nxt = self.ids[:n], self.keep[:n], self.next[:n]
+        t0 = time.perf_counter()
+        prop = self.draft.propose([DraftSeqInput(s, kp, [t], self.k) for s, kp, t in zip(ids, keep, nxt)])
+        t1 = time.perf_counter()
+        seqs = [VerifySeqInput(s, [t], d.tokens) for s, t, d in zip(ids, nxt, prop.outputs)]
+        if join is not None:
+            seqs.append(VerifySeqInput(-1, join, first=True))
+        res = self.target.verify(seqs)
+        t2 = time.perf_counter()
+        assert all(o.error is None for o in prop.outputs + res.outputs)
+        if join is not None:
+            self.target.release([-1])
+        outs = res.outputs[:n]
+        self.keep[:n] = [o.accepted for o in outs]
+        self.next[:n] = [o.next_token for o in outs]
+        emitted = sum(o.accepted + 1 for o in outs)
+        self.tokens += emitted
+        return {"draft_wall": t1 - t0, "draft_fwd": prop.timing.forward_seconds,
+                "target_wall": t2 - t1, "target_fwd": res.timing.forward_seconds,
+                "tokens": emitted}
+
+    def close(self) -> None:
+        self.draft.release(self.ids)
+        self.target.release(self.ids)
+
+
+def replay_ms(engine, b: int, q: int) -> float | None:  # None: no such graph (or on the CPU)
+    g = engine.runner.graphs.graphs.get((b, q)) if engine.runner.graphs is not None else None
+    return do_bench(g.graph.replay, warmup=5, rep=40, return_mode="median") if g is not None else None
+
+
+def chain_ms(engine, b: int) -> float | None:
+    chains = engine.runner.graphs.chains if engine.runner.graphs is not None else {}
+    c = chains.get(b)
+    if c is None:
+        return None
+
+    @torch.inference_mode()  # `at` was made under capture, in inference mode
+    def run():
+        c.at.zero_()   # the chain's row counter: keep it in range (contents do not matter here)
+        c.graph.replay()
+    return do_bench(run, warmup=5, rep=40, return_mode="median")
+
+
+def med_ms(samples: list[dict], key: str) -> float:
+    return 1e3 * statistics.median(s[key] for s in samples)
+
+
+def measure(draft, target, b: int, k: int, steps: int, seed: int) -> dict:
+    row = {"batch": b, "k": k,
+           "replay_t1_ms": replay_ms(target, b, 1), "replay_tk_ms": replay_ms(target, b, k + 1),
+           "replay_d1_ms": replay_ms(draft, b, 1), "chain_d_ms": chain_ms(draft, b)}
+    loop = Loop(draft, target, b, k, seed)
+    for _ in range(4):
+        loop.plain()
+    plain = [loop.plain() for _ in range(steps)]
+    loop.close()
+    loop = Loop(draft, target, b, k, seed + 1)
+    for _ in range(4):
+        loop.spec()
+    spec = [loop.spec() for _ in range(steps)]
+    rng = random.Random(seed)
+    joins = [loop.spec(join=[rng.randrange(32000) for _ in range(JOIN_PROMPT)]) for _ in range(8)]
+    loop.close()
+    row.update(plain_wall_ms=med_ms(plain, "target_wall"), plain_fwd_ms=med_ms(plain, "target_fwd"),
+               draft_wall_ms=med_ms(spec, "draft_wall"), draft_fwd_ms=med_ms(spec, "draft_fwd"),
+               verify_wall_ms=med_ms(spec, "target_wall"), verify_fwd_ms=med_ms(spec, "target_fwd"),
+               tokens_per_step=sum(s["tokens"] for s in spec) / len(spec) / b)
+    row.update(join_wall_ms=med_ms(joins, "target_wall"), join_fwd_ms=med_ms(joins, "target_fwd"),
+               join_graphed=target.runner.graphs is not None and target.runner.graphs.prefill_lens != ())
+    row["spec_wall_ms"] = row["draft_wall_ms"] + row["verify_wall_ms"]
+    row["verify_over_decode"] = row["verify_wall_ms"] / row["plain_wall_ms"]
+    row["in_process_speedup"] = row["tokens_per_step"] * row["plain_wall_ms"] / row["spec_wall_ms"]
+    return row
+
+
+def profile(draft, target, b: int, k: int) -> str:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    cuda = target.device.type == "cuda"
+    loop = Loop(draft, target, b, k, seed=99)
+    for _ in range(4):
+        loop.spec()
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        for _ in range(8):
+            loop.spec()
+    loop.close()
+    avg = prof.key_averages()
+    tables = [avg.table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)] if cuda else []
+    return "\n".join(tables + [avg.table(sort_by="self_cpu_time_total", row_limit=15,
+                                          max_name_column_width=60)])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="llama-7b")
+    p.add_argument("--draft", default="llama-68m")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--agreement", type=float, default=0.8,
+                   help="drafts built to agree with the target this often (-1: plain random weights)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--graph-prefill-lens", default=None,
+                   help="comma-separated prompt-chunk lengths to graph, or 'none' (default: the engine's)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of small shapes (no graphs)")
+    a = p.parse_args()
+    max_len = PROMPT + (a.steps + 16) * (a.k + 1) + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
+        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
+        draft, target = engines(t_dir, d_dir, a.agreement, max_len, a.k, a.device, a.batches,
+                                None if a.graph_prefill_lens is None else () if a.graph_prefill_lens == "none"
+                                else tuple(int(x) for x in a.graph_prefill_lens.split(",")))
+    rows = [measure(draft, target, b, a.k, a.steps, seed=i) for i, b in enumerate(a.batches)]
+    prof = profile(draft, target, a.batches[0], a.k) if a.profile else None
+    result = {"benchmark": "anatomy", "environment": environment(), "target": a.target, "draft": a.draft,
+              "k": a.k, "steps": a.steps, "agreement": a.agreement, "rows": rows}
+    if prof:
+        print(prof)
+        result["profile"] = prof
+    path = write_result("anatomy", result)
+    print(table(rows, [("batch", "b", "d"), ("replay_t1_ms", "replay t q1", ".3f"),
+                       ("replay_tk_ms", f"replay t q{a.k + 1}", ".3f"),
+                       ("replay_d1_ms", "replay d", ".3f"), ("chain_d_ms", "chain d", ".3f"),
+                       ("plain_wall_ms", "plain wall", ".3f"), ("plain_fwd_ms", "plain fwd", ".3f"),
+                       ("draft_wall_ms", "draft wall", ".3f"), ("draft_fwd_ms", "draft fwd", ".3f"),
+                       ("verify_wall_ms", "verify wall", ".3f"), ("verify_fwd_ms", "verify fwd", ".3f"),
+                       ("verify_over_decode", "verify/decode", ".2f"),
+                       ("join_wall_ms", f"join {JOIN_PROMPT} wall", ".3f"),
+                       ("tokens_per_step", "tok/step", ".2f"),
+                       ("in_process_speedup", "in-process x", ".2f")]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
