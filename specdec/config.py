@@ -174,6 +174,11 @@ def parse_size(text: str | int) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+# Prompt-chunk lengths with a CUDA graph each (per batch size) when EngineConfig does not say: up
+# to the coordinator's default 512-token chunk; a chunk over the largest runs eagerly.
+DEFAULT_GRAPH_PREFILL_LENS = (16, 32, 64, 128, 256, 512)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What a model server's engine needs: model, device, KV sizing, limits of a step."""
@@ -193,6 +198,9 @@ class EngineConfig:
                                       # None: leave the process default (on for Hopper+, SPECDEC_PDL=0 off)
     graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
+    # Prompt-chunk bounds of the prefill graphs (steps mixing a prompt with decode/verify tokens,
+    # cuda_graphs.py); () none; None: DEFAULT_GRAPH_PREFILL_LENS up to max_model_len
+    graph_prefill_lens: tuple[int, ...] | None = None
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)
     # with random_weights: weights whose greedy next token agrees with a shared reference map on this
     # fraction of the vocabulary (models/synthetic.py; the target 1.0, a draft its α); None: plain
@@ -217,6 +225,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if self.graph_prefill_lens and min(self.graph_prefill_lens) < 1:
+            raise ConfigError(f"graph_prefill_lens must be positive, got {self.graph_prefill_lens}")
         if self.random_agreement is not None:
             if not self.random_weights:
                 raise ConfigError("random_agreement needs random_weights")

@@ -13,6 +13,15 @@ the bucket's first tokens and its padding sequences get empty spans. Padding tok
 capture from the bucket and a context bound of max_model_len, so nothing about a replay depends on
 host values.
 
+Prefill buckets (steps with a prompt chunk): a step whose longest query exceeds every decode/verify
+length would run eagerly, and an eager Llama-7B forward costs ~30 ms of host time (hundreds of
+Python-side kernel launches) against ~4 ms on the device; with continuous batching every request
+that joins makes one such step for the whole batch. So for each prefill length p (a query bound)
+and batch size b there is a bucket of p + (b - 1) x qv token rows (qv: the longest decode/verify
+query): one prompt chunk of up to p tokens beside b - 1 decode or verify sequences, or any other
+batch within those bounds. Its graph returns logits only for the rows a step asks for (at most
+b x qv, gathered inside the graph from a static index segment), not for every prompt token.
+
 Chains (the draft's greedy steps): for bucket (b, 1) a second graph runs one single-token forward,
 takes the argmax of every row and moves the static inputs on to the next position (ids = the
 argmax, positions and context lengths + 1, slots looked up in the staged block tables). A draft
@@ -43,8 +52,19 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch       # the static input buffers (views of `packed`)
     packed: PackedBuffer      # ... refilled by one host-to-device copy per staged step
-    logits: torch.Tensor      # [bucket * q, V] static output
+    logits: torch.Tensor      # [rows, V] static output (Shape.logit_rows rows, else one per token)
     stamp: int = 0            # what the static inputs hold now (a staged batch carries its stamp)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What bucket (b, q) holds: `tokens` rows; logits of every row (logit_rows None: decode and
+    verify buckets) or of at most logit_rows requested rows (prefill buckets)."""
+    tokens: int
+    logit_rows: int | None = None
+
+    def fits(self, num_tokens: int, num_logits: int) -> bool:
+        return num_tokens <= self.tokens and (self.logit_rows is None or num_logits <= self.logit_rows)
 
 
 @dataclass
@@ -56,7 +76,8 @@ class _Chain:
 
 class GraphedForward:
     def __init__(self, runner, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, chains: bool = False):
+                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, chains: bool = False,
+                 prefill_lens: tuple[int, ...] = ()):
         self._check_device(runner.device)
         # Hold the runner's parts, not the runner: runner -> graphs -> runner would be a reference
         # cycle, freed by the garbage collector at an arbitrary time, and a CUDA graph freed while
@@ -69,11 +90,13 @@ class GraphedForward:
         self.max_context = self.max_blocks * self.block_size
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.query_lens = tuple(sorted(set(query_lens)))
+        # Prefill buckets only above the decode/verify lengths (a shorter bound is one of those).
+        self.prefill_lens = tuple(sorted({p for p in prefill_lens if p > self.query_lens[-1]}))
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # forwards served by a graph (tests and logs check the GPU path uses them)
         pool = self._new_pool()
         # Largest first: later, smaller captures reuse the pool's memory.
-        for q in reversed(self.query_lens):
+        for q in reversed(self.query_lens + self.prefill_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
         self.chains: dict[int, _Chain] = {}
@@ -90,33 +113,57 @@ class GraphedForward:
     def _new_pool():
         return torch.cuda.graph_pool_handle()
 
+    def shape(self, b: int, q: int) -> Shape:
+        """Bucket (b, q)'s rows: b x q for a decode/verify length q; for a prefill length q, one
+        q-token chunk plus b - 1 sequences of up to qv tokens, and logits of up to b x qv rows."""
+        if q in self.query_lens:
+            return Shape(b * q)
+        qv = self.query_lens[-1]
+        return Shape(q + (b - 1) * qv, b * qv)
+
     def _layout(self, b: int, q: int) -> list[tuple[int, torch.dtype]]:
         """The static inputs of bucket (b, q) in one packed buffer: input ids, positions, slots,
         query_start_loc, context_lens, block tables (row-major); then the rows whose logits a
-        staged step returns (read after the replay, not by the graph)."""
-        t, i64, i32 = b * q, torch.int64, torch.int32
-        return [(t, i64), (t, i64), (t, i64), (b + 1, i32), (b, i32), (b * self.max_blocks, i32), (t, i64)]
+        staged step returns (a prefill bucket's graph gathers them; a decode/verify bucket's
+        graph computes every row and _outputs selects them after the replay)."""
+        shape, i64, i32 = self.shape(b, q), torch.int64, torch.int32
+        t = shape.tokens
+        rows = shape.logit_rows or t
+        return [(t, i64), (t, i64), (t, i64), (b + 1, i32), (b, i32), (b * self.max_blocks, i32), (rows, i64)]
 
     def _fill(self, packed: PackedBuffer, b: int, q: int, ids, positions, slots, starts, ctx_lens,
               tables, logit_rows) -> list[torch.Tensor]:
         """Pads one step's host arrays to bucket (b, q) and writes them in one copy. Padding tokens
-        get slot -1 (no KV write), padding sequences empty query spans."""
-        cap, t, n = b * q, len(ids), len(starts) - 1
+        get slot -1 (no KV write), padding sequences empty query spans, padding logit rows row 0."""
+        shape = self.shape(b, q)
+        cap, t, n = shape.tokens, len(ids), len(starts) - 1
+        rows = shape.logit_rows or cap
         return packed.fill([ids + [0] * (cap - t), positions + [0] * (cap - t), slots + [-1] * (cap - t),
                             starts + [t] * (b - n), ctx_lens + [q] * (b - n),
                             padded_table(tables, self.max_blocks, b),
-                            logit_rows + [0] * (cap - len(logit_rows))])
+                            logit_rows + [0] * (rows - len(logit_rows))])
 
     def _static_batch(self, b: int, q: int) -> tuple[ForwardBatch, PackedBuffer]:
         packed = PackedBuffer(self._layout(b, q), self.device)
-        t = b * q
-        v = self._fill(packed, b, q, [0] * t, [0] * t, [-1] * t, list(range(0, t + 1, q)), [q] * b,
-                       [[0] * self.max_blocks] * b, list(range(t)))
-        # The graph computes logits for every row; the packed rows segment (v[6]) only tells
-        # _outputs which of them a staged step asked for, so the graph must not read it.
+        shape = self.shape(b, q)
+        t = shape.tokens
+        # Capture-time contents: sequence 0 has q tokens, the others t - q split evenly (all
+        # padding: slot -1). Only the grid's host bounds (b sequences, query bound q, context
+        # bound max_context) are baked into the graph.
+        lens = [q] + [(t - q) // (b - 1)] * (b - 1) if b > 1 else [q]
+        starts = [sum(lens[:i]) for i in range(b + 1)]
+        rows = list(range(shape.logit_rows or t))
+        v = self._fill(packed, b, q, [0] * t, [0] * t, [-1] * t, starts, lens,
+                       [[0] * self.max_blocks] * b, rows)
+        if shape.logit_rows is None:
+            # The graph computes logits for every row; the packed rows segment (v[6]) only tells
+            # _outputs which of them a staged step asked for, so the graph must not read it.
+            logits_indices = torch.arange(t, dtype=torch.int64, device=self.device)
+        else:
+            logits_indices = v[6]  # read by the graph: logits of the staged rows only
         batch = ForwardBatch(input_ids=v[0], positions=v[1], slot_mapping=v[2], query_start_loc=v[3],
                              context_lens=v[4], block_tables=v[5].view(b, self.max_blocks),
-                             logits_indices=torch.arange(t, dtype=torch.int64, device=self.device),
+                             logits_indices=logits_indices,
                              query_lens_host=[q] * b, context_lens_host=[self.max_context] * b)
         return batch, packed
 
@@ -126,7 +173,7 @@ class GraphedForward:
         straight into the static inputs of the graph that will run it, in one copy; None when no
         graph fits (the step runs eagerly)."""
         n = len(query_lens)
-        key = self._bucket(n, max(query_lens), width)
+        key = self._bucket(n, max(query_lens), width, len(ids), len(logit_rows))
         if key is None:
             return None
         b, q = key
@@ -218,16 +265,18 @@ class GraphedForward:
         g.stamp = next(_STAMPS)
         return c.tokens[:steps, :n].clone()
 
-    def _bucket(self, n: int, q_max: int, width: int) -> tuple[int, int] | None:
-        """Every query within a captured length, no more sequences than the largest bucket, a
-        context within max_model_len: the smallest such q, then the smallest b."""
+    def _bucket(self, n: int, q_max: int, width: int, num_tokens: int = 0,
+                num_logits: int = 0) -> tuple[int, int] | None:
+        """Every query within a captured length, no more sequences than the bucket, a context
+        within max_model_len, and the step's tokens and logit rows within the bucket's (which
+        only a prefill bucket can refuse): the smallest such q, then the smallest b."""
         if width > self.max_blocks:
             return None
-        for q in self.query_lens:
+        for q in self.query_lens + self.prefill_lens:
             if q < q_max:
                 continue
             for b in self.batch_sizes:
-                if b >= n:
+                if b >= n and self.shape(b, q).fits(num_tokens, num_logits):
                     return (b, q)
         return None
 
@@ -260,12 +309,14 @@ class GraphedForward:
         g.graph.replay()
         return self._outputs(g, batch, t)
 
-    @staticmethod
-    def _outputs(g: _Graph, batch: ForwardBatch, t: int) -> torch.Tensor:
+    def _outputs(self, g: _Graph, batch: ForwardBatch, t: int) -> torch.Tensor:
         """The requested rows as a tensor of their own (the static output is overwritten by the
         graph's next replay)."""
-        if batch.logits_indices.numel() == t:  # logits of every token (rows are sorted and unique)
-            return g.logits[:t].clone()
+        n = batch.logits_indices.numel()
+        if self.shape(*batch.graph_key[:2]).logit_rows is not None or n == t:
+            # A prefill bucket's graph gathered the rows; else logits of every token (rows are
+            # sorted and unique)
+            return g.logits[:n].clone()
         return g.logits.index_select(0, batch.logits_indices)
 
 

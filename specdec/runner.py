@@ -86,12 +86,14 @@ class ModelRunner:
         self.graphs = None
 
     def enable_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,),
-                           batch_sizes: tuple[int, ...] | None = None, chains: bool = False) -> None:
+                           batch_sizes: tuple[int, ...] | None = None, chains: bool = False,
+                           prefill_lens: tuple[int, ...] = ()) -> None:
         """Capture decode/verify graphs; forward() replays one whenever a batch fits a bucket.
-        chains: also the greedy chain graphs that greedy_chain() runs."""
+        chains: also the greedy chain graphs that greedy_chain() runs; prefill_lens: buckets for
+        steps with a prompt chunk of up to that many tokens (cuda_graphs.py)."""
         from specdec.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
         self.graphs = GraphedForward(self, max_model_len, query_lens, batch_sizes or DEFAULT_BATCH_SIZES,
-                                     chains=chains)
+                                     chains=chains, prefill_lens=prefill_lens)
 
     # --- sequence lifetime -------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable) -> None:

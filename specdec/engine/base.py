@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from specdec.config import DEFAULT_GRAPH_PREFILL_LENS, CacheConfig, ConfigError, EngineConfig, ModelConfig
 from specdec.kv_cache import KVCache
 from specdec.models.loader import build_model, init_random, load_model
 from specdec.models.synthetic import init_agreeing
@@ -89,14 +89,17 @@ class ModelEngine:
     def _capture_graphs(self) -> None:
         # Before the server reports SERVING: capture (and Triton compilation) is seconds, paid once.
         query_lens = self.config.graph_query_lens or self.graph_query_lens()
+        prefill_lens = self.config.graph_prefill_lens
+        if prefill_lens is None:
+            prefill_lens = tuple(p for p in DEFAULT_GRAPH_PREFILL_LENS if p <= self.max_model_len)
         t0 = time.perf_counter()
         self.runner.enable_cuda_graphs(self.max_model_len, query_lens, self.config.graph_batch_sizes,
-                                       chains=self.graph_chains)
+                                       chains=self.graph_chains, prefill_lens=prefill_lens)
         graphs = self.runner.graphs
-        log.info("captured %d CUDA graphs (query lengths %s, batch sizes %s) in %.1fs",
-                 len(graphs.graphs) + len(graphs.chains), ",".join(map(str, sorted(set(query_lens)))),
-                 ",".join(map(str, sorted(set(self.config.graph_batch_sizes)))),
-                 time.perf_counter() - t0)
+        log.info("captured %d CUDA graphs (query lengths %s, prefill lengths %s, batch sizes %s) in %.1fs",
+                 len(graphs.graphs) + len(graphs.chains), ",".join(map(str, graphs.query_lens)),
+                 ",".join(map(str, graphs.prefill_lens)) or "none",
+                 ",".join(map(str, graphs.batch_sizes)), time.perf_counter() - t0)
 
     @property
     def graph_replays(self) -> int:

@@ -145,6 +145,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "with it on Hopper and newer GPUs; kernels/pdl.py)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
                                               "draft 1,2; target 1..min(max-num-draft, 8)+1)")
+    p.add_argument("--graph-prefill-lens",
+                   help="comma-separated prompt-chunk lengths to graph, each with every batch size, "
+                        "for steps mixing a prompt with decode/verify tokens; 'none' for none "
+                        "(default: 16,32,...,512 up to max-model-len)")
     p.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32",
                    help="comma-separated batch buckets to graph (larger batches run eagerly)")
     p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
@@ -173,6 +177,9 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             graph_query_lens=(_ints(a.graph_query_lens, "--graph-query-lens")
                               if a.graph_query_lens else None),
             graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),
+            graph_prefill_lens=(None if a.graph_prefill_lens is None else ()
+                                if a.graph_prefill_lens == "none"
+                                else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
             gemv_kernels=a.gemv_kernels, pdl=a.pdl)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,

@@ -31,6 +31,33 @@ def test_graph_replay_matches_eager(tmp_path):
     torch.testing.assert_close(runners[1].kv.data, runners[0].kv.data, atol=2e-4, rtol=0)
 
 
+def test_prefill_graphs_match_eager_for_prompts_beside_verifies(tmp_path):
+    """Prefill buckets on real graphs: prompts alone (sequence 2's 40 tokens: bucket (1, 64)), and
+    a joining prompt chunk beside verify and decode sequences, give the eager logits (only the
+    rows asked for) and the same KV; a step beyond every bucket still runs eagerly."""
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 4), batch_sizes=(1, 2, 4),
+                                         prefill_lens=(16, 64))
+    outs, replays = [], []
+    for runner in runners:
+        got = []
+        for s in (0, 1, 2, 3):
+            runner.add_sequence(s)
+        got += runner.step([SeqInput(2, prompts[2], 1)])                                 # (1, 64)
+        got += runner.step([SeqInput(0, prompts[0][:16], 0), SeqInput(2, [7, 8, 9, 1], 4)])  # (2, 16)
+        got += runner.step([SeqInput(1, prompts[1], 1), SeqInput(0, prompts[0][16:], 1),
+                            SeqInput(2, [4])])                                               # (4, 16)
+        got += runner.step([SeqInput(3, list(range(70)), 1)])                             # eager
+        for step in range(2):
+            got += runner.step([SeqInput(s, [step + 3, 5, 6, 7], 4) for s in (0, 1, 2, 3)])
+        outs.append(got)
+        replays.append(runner.graphs.replays if runner.graphs else 0)
+    assert replays[1] == 5
+    for eager, graphed in zip(*outs):
+        assert torch.isfinite(graphed).all() and graphed.shape == eager.shape
+        torch.testing.assert_close(graphed, eager, atol=2e-4, rtol=0)
+    torch.testing.assert_close(runners[1].kv.data, runners[0].kv.data, atol=2e-4, rtol=0)
+
+
 def test_prepare_stages_into_the_graph_and_catches_an_overwritten_batch(tmp_path):
     """prepare() writes a graph-sized step straight into that graph's static inputs (one copy);
     device-side input ids (the draft loop's) replace the staged ones; a batch whose inputs a

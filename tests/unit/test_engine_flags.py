@@ -24,9 +24,14 @@ def test_flags_reach_the_engine_config():
     assert config_from_args("draft", ["--model", "m", "--no-gemv-kernels"])[0].engine.gemv_kernels is False
     assert e.pdl is None and config_from_args("target", ["--model", "m", "--no-pdl"])[0].engine.pdl is False
     assert config_from_args("target", ["--model", "m", "--random-weights"])[0].engine.random_weights
+    assert e.graph_prefill_lens is None  # the engine's default
+    prefill = ["--model", "m", "--graph-prefill-lens"]
+    assert config_from_args("target", prefill + ["32,128"])[0].engine.graph_prefill_lens == (32, 128)
+    assert config_from_args("target", prefill + ["none"])[0].engine.graph_prefill_lens == ()
 
 
-@pytest.mark.parametrize("flag, value", [("--graph-query-lens", "1,x"), ("--graph-batch-sizes", "0,2")])
+@pytest.mark.parametrize("flag, value", [("--graph-query-lens", "1,x"), ("--graph-batch-sizes", "0,2"),
+                                         ("--graph-prefill-lens", "16,0")])
 def test_bad_values_exit_with_usage(flag, value, capsys):
     with pytest.raises(SystemExit):
         config_from_args("target", ["--model", "m", flag, value])

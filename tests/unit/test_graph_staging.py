@@ -49,7 +49,8 @@ class CpuGraphs(GraphedForward):
     def _capture(self, b, q, pool):
         with torch.inference_mode():
             batch, packed = self._static_batch(b, q)
-            logits = torch.zeros(b * q, self._model.config.vocab_size)
+            shape = self.shape(b, q)
+            logits = torch.zeros(shape.logit_rows or shape.tokens, self._model.config.vocab_size)
         return _Graph(_ModelReplay(self, batch, logits), batch, packed, logits)
 
     def _capture_chain(self, b, pool):
@@ -58,16 +59,23 @@ class CpuGraphs(GraphedForward):
         return _Chain(_ChainReplay(self, self.graphs[(b, 1)], tokens, at), tokens, at)
 
 
-@pytest.fixture
-def runners():
+def eager_and_cpu_graphed(num_blocks: int, **graphs) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners over one tiny random model: eager, and with CpuGraphs (max_model_len 64, query
+    lengths 1, 2, 4, batch sizes 1, 2, 4, and `graphs`)."""
     model = init_random(build_model(tiny_config(), torch.float32, "cpu"), std=0.1)
 
     def runner():
-        return ModelRunner(model, CacheConfig(num_blocks=64, block_size=4, dtype=torch.float32),
+        return ModelRunner(model, CacheConfig(num_blocks=num_blocks, block_size=4, dtype=torch.float32),
                            backend=TritonAttention())
     eager, graphed = runner(), runner()
     graphed.graphs = CpuGraphs(graphed, max_model_len=64, query_lens=(1, 2, 4), batch_sizes=(1, 2, 4),
-                               chains=True)
+                               **graphs)
+    return eager, graphed
+
+
+@pytest.fixture
+def runners():
+    eager, graphed = eager_and_cpu_graphed(64, chains=True)
     rng = random.Random(1)
     prompts = {s: [rng.randrange(61) for _ in range(3 + 2 * s)] for s in range(4)}
     for r in (eager, graphed):
@@ -225,3 +233,72 @@ def test_draft_engine_drafts_the_same_through_chains(tmp_path):
     # 1-token feeds: one chain of 4 (the first forward included); ragged: one replay per position
     # (5); sampled: no chains (3); a single sequence with a 1-token feed: a chain of 6.
     assert replays == [3, 4, 4, 5, 3, 6]
+
+
+# --- prefill buckets: steps that mix a prompt chunk with decode/verify tokens -------------------
+@pytest.fixture
+def prefill_runners():
+    return (*eager_and_cpu_graphed(96, prefill_lens=(2, 8, 16)), random.Random(5))
+
+
+def test_prefill_bucket_shapes():
+    g = object.__new__(GraphedForward)
+    g.query_lens, g.prefill_lens = (1, 2, 4), (8, 16)
+    assert g.shape(4, 2).tokens == 8 and g.shape(4, 2).logit_rows is None    # decode/verify: b x q
+    assert (g.shape(1, 8).tokens, g.shape(1, 8).logit_rows) == (8, 4)        # one chunk alone
+    assert (g.shape(4, 16).tokens, g.shape(4, 16).logit_rows) == (16 + 3 * 4, 16)
+    assert g.shape(4, 16).fits(28, 16) and not g.shape(4, 16).fits(29, 1)
+    assert not g.shape(4, 16).fits(20, 17)
+
+
+def test_steps_with_prompt_chunks_replay_prefill_graphs(prefill_runners):
+    eager, graphed, rng = prefill_runners
+    assert graphed.graphs.prefill_lens == (8, 16)  # 2 is a decode/verify length already
+    live = []
+    for step in range(10):
+        items = []
+        # A new sequence joins with a chunk of 5..16 tokens (some steps: none), beside up to three
+        # running ones feeding 1..4 tokens; logits of the chunk's last token or of none of it.
+        if step % 3 != 2:
+            new = 100 + step
+            for r in (eager, graphed):
+                r.add_sequence(new)
+            n = rng.randint(5, 16)
+            items.append(SeqInput(new, [rng.randrange(61) for _ in range(n)], rng.choice([0, 1])))
+        for s in rng.sample(live, min(3, len(live))):
+            n = rng.randint(1, 4)
+            items.append(SeqInput(s, [rng.randrange(61) for _ in range(n)], rng.randint(0, n)))
+        rng.shuffle(items)
+        before = graphed.graphs.replays
+        want, got = eager.step(items), graphed.step(items)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        assert graphed.graphs.replays == before + 1  # every step fitted a bucket
+        live += [i.seq_id for i in items if i.seq_id not in live]
+    for s in live:
+        torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=1e-5, rtol=0)
+    torch.testing.assert_close(graphed.kv.data, eager.kv.data, atol=1e-5, rtol=0)  # padding wrote nothing
+
+
+def test_steps_beyond_the_prefill_buckets_run_eagerly(prefill_runners):
+    eager, graphed, rng = prefill_runners
+    for r in (eager, graphed):
+        for s in range(3):
+            r.add_sequence(s)
+    cases = [[SeqInput(0, list(range(17)))],                                   # chunk over 16
+             [SeqInput(1, list(range(16))), SeqInput(2, list(range(16)))]]      # 32 tokens > 16 + 4
+    for items in cases:
+        before = graphed.graphs.replays
+        for w, g in zip(eager.step(items), graphed.step(items)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        assert graphed.graphs.replays == before
+    # Two chunks that fit together (12 + 4 <= 16 + 4 tokens, 2 sequences) do replay.
+    for r in (eager, graphed):
+        r.add_sequence(7)
+        r.add_sequence(8)
+    items = [SeqInput(7, list(range(12))), SeqInput(8, list(range(4)), 4)]
+    before = graphed.graphs.replays
+    for w, g in zip(eager.step(items), graphed.step(items)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert graphed.graphs.replays == before + 1
