@@ -90,12 +90,15 @@ class GraphedForward:
         self.max_context = self.max_blocks * self.block_size
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.query_lens = tuple(sorted(set(query_lens)))
-        # Prefill buckets only above the decode/verify lengths (a shorter bound is one of those).
-        self.prefill_lens = tuple(sorted({p for p in prefill_lens if p > self.query_lens[-1]}))
+        # Prefill buckets only above the decode/verify lengths (a shorter bound is one of those) and
+        # within max_model_len (a longer chunk cannot happen; its capture would read past the table).
+        self.prefill_lens = tuple(sorted({p for p in prefill_lens
+                                          if self.query_lens[-1] < p <= self.max_context}))
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # forwards served by a graph (tests and logs check the GPU path uses them)
         pool = self._new_pool()
-        # Largest first: later, smaller captures reuse the pool's memory.
+        # Longest queries and largest batches first: later, smaller captures mostly reuse the pool's
+        # memory (not strictly by rows: (32, 256) has more than (1, 512); that costs pool memory only).
         for q in reversed(self.query_lens + self.prefill_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
@@ -294,8 +297,12 @@ class GraphedForward:
             raise RuntimeError(f"this batch's static inputs (graph {b}x{q}) were overwritten by a later "
                                "step, or it was staged by another runner: forward a staged batch on its "
                                "runner before preparing the next one")
-        if any(getattr(batch, f).data_ptr() != getattr(g.batch, f).data_ptr() for f in _STAGED_ONLY):
-            raise ValueError(f"a staged batch may replace only input_ids; {', '.join(_STAGED_ONLY)} "
+        # A prefill graph gathers its logit rows from the staged segment too (none asked: no check,
+        # an empty view has no address of its own).
+        gathers = self.shape(b, q).logit_rows is not None and batch.logits_indices.numel()
+        fields = _STAGED_ONLY + (("logits_indices",) if gathers else ())
+        if any(getattr(batch, f).data_ptr() != getattr(g.batch, f).data_ptr() for f in fields):
+            raise ValueError(f"a staged batch may replace only input_ids; {', '.join(fields)} "
                              "are the graph's static inputs as staged")
         return g
 

@@ -109,8 +109,9 @@ class ModelRunner:
         return self.blocks.num_tokens(seq_id)
 
     # --- forward -----------------------------------------------------------------------------
-    def prepare(self, items: Sequence[SeqInput]) -> ForwardBatch:
-        """Reserves KV slots for every item's new tokens (all or none) and builds the batch."""
+    def prepare(self, items: Sequence[SeqInput], graphs: bool = True) -> ForwardBatch:
+        """Reserves KV slots for every item's new tokens (all or none) and builds the batch;
+        graphs=False builds an eager batch even where a CUDA graph fits."""
         self._reserve_check(items)
         ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
         for item in items:
@@ -125,7 +126,7 @@ class ModelRunner:
             tables.append(self.blocks.block_table(item.seq_id))
         width = max(len(t) for t in tables)
         query_lens = [len(i.token_ids) for i in items]
-        if self.graphs is not None:  # straight into a graph's static inputs, when one fits
+        if graphs and self.graphs is not None:  # straight into a graph's static inputs, when one fits
             staged = self.graphs.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows,
                                        query_lens, width)
             if staged is not None:
@@ -181,9 +182,9 @@ class ModelRunner:
                 return logits
         return self.model(batch, self.kv, self.backend)
 
-    def step(self, items: Sequence[SeqInput]) -> list[torch.Tensor]:
+    def step(self, items: Sequence[SeqInput], graphs: bool = True) -> list[torch.Tensor]:
         """prepare + forward; returns each item's logits [num_logits, V] (float32)."""
-        logits = self.forward(self.prepare(items))
+        logits = self.forward(self.prepare(items, graphs))
         return list(logits.split([i.num_logits for i in items]))
 
     def _reserve_check(self, items: Sequence[SeqInput]) -> None:

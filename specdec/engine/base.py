@@ -266,8 +266,9 @@ class ModelEngine:
 
     def _warm_prefill(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
         """One untimed prefill forward per (batch, prompt length) that fits max_model_len and the
-        free KV; returns the (batch, length) pairs run. Prefills run eagerly and the attention
-        kernel's compiled variant depends on the query length (tile_config: BLOCK_M/BLOCK_N, warps,
+        free KV; returns the (batch, length) pairs run. They run eagerly even where a prefill graph
+        fits (its capture compiled the graph's variants; eager steps beyond the buckets, such as
+        several prompts joining at once, need their own), and the attention kernel's compiled variant depends on the query length (tile_config: BLOCK_M/BLOCK_N, warps,
         stages), on batch and context (the split-KV count) and on the block-table width (Triton
         specialises on it); the fused kernels compile on first use too. Without this the first
         requests of each shape paid the compiles: TTFT p99 ~1 s at low load on the H200 while p50
@@ -278,7 +279,7 @@ class ModelEngine:
                 if b * blocks.blocks_needed(n) > blocks.num_free:
                     continue
                 with self._scratch_sequences(b) as ids:
-                    self.runner.step([SeqInput(sid, [1] * n) for sid in ids])
+                    self.runner.step([SeqInput(sid, [1] * n) for sid in ids], graphs=False)
                 done.append((b, n))
         self.synchronize()  # the compiles and forwards are done before health says SERVING
         return done

@@ -302,3 +302,110 @@ def test_steps_beyond_the_prefill_buckets_run_eagerly(prefill_runners):
     for w, g in zip(eager.step(items), graphed.step(items)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
     assert graphed.graphs.replays == before + 1
+
+
+@pytest.fixture
+def prefill_chain_runners():
+    return eager_and_cpu_graphed(96, prefill_lens=(8, 16), chains=True)
+
+
+def _step_on(eager, graphed, items, bucket):
+    """One step on both runners: the same logits, on `bucket` (None: eagerly)."""
+    before = graphed.graphs.replays
+    want = eager.step(items)
+    staged = graphed.prepare(items)
+    assert (staged.graph_key[:2] if staged.graph_key else None) == bucket
+    got = graphed.forward(staged).split([i.num_logits for i in items])
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert graphed.graphs.replays == before + (bucket is not None)
+
+
+def test_prefill_buckets_at_their_limits(prefill_chain_runners):
+    """Logit rows decide the bucket as much as tokens do: more than qv rows for one sequence moves
+    to a larger b (padding sequences), rows over every bucket run eagerly; chunks without logits,
+    two chunks together, and plain decode steps beside them."""
+    eager, graphed = prefill_chain_runners
+    rng = random.Random(7)
+    for r in (eager, graphed):
+        for s in range(8):
+            r.add_sequence(s)
+
+    def ids(n):
+        return [rng.randrange(61) for _ in range(n)]
+    _step_on(eager, graphed, [SeqInput(0, ids(8), 8)], (2, 8))            # 8 rows > 1 x 4
+    _step_on(eager, graphed, [SeqInput(1, ids(16), 16)], (4, 16))         # 16 rows: 3 padding seqs
+    _step_on(eager, graphed, [SeqInput(2, ids(7), 3), SeqInput(3, ids(7), 0)], (4, 8))
+    _step_on(eager, graphed, [SeqInput(0, ids(3), 3), SeqInput(1, ids(4), 4), SeqInput(2, ids(9), 0)],
+             (4, 16))
+    _step_on(eager, graphed, [SeqInput(4, ids(5), 0)], (1, 8))            # no logits at all
+    _step_on(eager, graphed, [SeqInput(5, ids(16), 16), SeqInput(6, ids(1), 1)], None)  # 17 rows
+    _step_on(eager, graphed, [SeqInput(s, ids(1)) for s in range(3)], (4, 1))
+    for s in range(7):
+        torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=1e-5, rtol=0)
+    torch.testing.assert_close(graphed.kv.data, eager.kv.data, atol=1e-5, rtol=0)
+
+
+def test_prefill_lens_leave_decode_and_verify_buckets_alone():
+    def graphs(prefill):
+        g = object.__new__(GraphedForward)
+        g.query_lens, g.batch_sizes, g.max_blocks, g.prefill_lens = (1, 2, 4), (1, 2, 4, 8), 16, prefill
+        return g
+    old, new = graphs(()), graphs((8, 16, 64))
+    for n in range(1, 10):
+        for q in range(1, 5):
+            assert new._bucket(n, q, 3) == old._bucket(n, q, 3)
+            for tokens in range(n, n * q + 1):
+                assert new._bucket(n, q, 3, tokens, tokens) == old._bucket(n, q, 3, tokens, tokens)
+
+
+def test_static_batches_are_consistent_and_prefill_lens_stay_within_max_model_len():
+    _, graphed = eager_and_cpu_graphed(96, prefill_lens=(2, 16, 64, 128), chains=True)
+    g = graphed.graphs
+    assert g.prefill_lens == (16, 64)   # 2 is a verify length, 128 > max_model_len 64
+    for (b, q), graph in g.graphs.items():
+        s = graph.batch
+        starts = s.query_start_loc.tolist()
+        lens = [e - a for a, e in zip(starts, starts[1:])]
+        assert starts[0] == 0 and min(lens) >= 0 and starts[-1] == g.shape(b, q).tokens
+        assert all(c >= n for c, n in zip(s.context_lens.tolist(), lens)) and max(lens) <= q
+        assert max(s.context_lens.tolist()) <= g.max_context
+        assert s.query_lens_host == [q] * b and int(s.logits_indices.max()) < starts[-1]
+
+
+def test_a_prefill_batch_keeps_its_staged_logit_rows(prefill_chain_runners):
+    _, graphed = prefill_chain_runners
+    graphed.add_sequence(0)
+    staged = graphed.prepare([SeqInput(0, list(range(10)), 1)])
+    assert staged.graph_key[:2] == (1, 16)
+    with pytest.raises(ValueError, match="logits_indices"):
+        graphed.forward(dataclasses.replace(staged, logits_indices=staged.logits_indices.clone()))
+
+
+def test_draft_engine_drafts_the_same_on_prefill_buckets(tmp_path):
+    """Prompts, and a prompt joining running sequences, replay prefill graphs in the draft engine
+    (beside its chains) and draft what the eager engine drafts."""
+    from specdec.config import EngineConfig
+    from specdec.engine import DraftEngine
+    from specdec.engine.types import DraftSeqInput
+    from tests.helpers.tiny_models import make_pair
+    _, draft_path = make_pair(tmp_path)
+    config = EngineConfig(model=draft_path, num_blocks=64, block_size=4, warmup_batch_sizes=(1,),
+                          max_num_draft=8)
+    plain, graphed = DraftEngine(config), DraftEngine(config)
+    for e in (plain, graphed):
+        e.runner.backend = TritonAttention()
+    graphed.runner.graphs = CpuGraphs(graphed.runner, max_model_len=128, query_lens=(1, 2),
+                                      batch_sizes=(1, 2, 4), chains=True, prefill_lens=(8, 16))
+    steps = [
+        [DraftSeqInput(1, 0, [3, 4, 5], 4, first=True), DraftSeqInput(2, 0, [7, 1], 4, first=True)],
+        [DraftSeqInput(1, 4, [9], 4), DraftSeqInput(3, 0, list(range(3, 15)), 3, first=True),
+         DraftSeqInput(2, 1, [8], 4)],
+        [DraftSeqInput(1, 2, [6], 5), DraftSeqInput(2, 4, [2], 3), DraftSeqInput(3, 3, [5, 6], 2)],
+    ]
+    for step in steps:
+        before = graphed.runner.graphs.replays
+        a, b = plain.propose(step), graphed.propose(step)
+        assert [o.tokens for o in b.outputs] == [o.tokens for o in a.outputs]
+        assert graphed.runner.graphs.replays > before
