@@ -16,9 +16,11 @@ when a correctness check or a case fails (a missed performance goal is reported,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -34,6 +36,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from common import copy_bandwidth, environment  # noqa: E402
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error  # noqa: E402
+from specdec.kernels import triton_attention  # noqa: E402
 from specdec.kernels.triton_attention import launch_plan, paged_attention  # noqa: E402
 
 SHAPES = {"llama7b_32x128": (32, 32, 128), "gqa_32q_8kv_x128": (32, 8, 128)}
@@ -116,6 +119,16 @@ def sdpa_runner(q4, k4, v4, ql, ctx, scale, gqa):
     raise RuntimeError("SDPA failed: " + "; ".join(errors))
 
 
+@contextlib.contextmanager
+def page_ahead(enabled: bool):
+    old = triton_attention.PAGE_AHEAD
+    triton_attention.set_page_ahead(enabled)
+    try:
+        yield
+    finally:
+        triton_attention.set_page_ahead(old)
+
+
 def graph_of(fn):
     """A replay callable of a CUDA graph that captured one fn() call (already warmed up)."""
     torch.cuda.synchronize()
@@ -162,6 +175,13 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
             row["check_vs_sdpa_rel_err"] = rel_error(out, ref)
             row["check_ok"] = row["check_vs_sdpa_rel_err"] < 2 * CHECK_TOL[DTYPE]
             row["ms"] = timed(ours, graphed, **BENCH_MS)
+            # Side by side: the same call with each tile's page indices read in its own iteration
+            # (triton_attention.PAGE_AHEAD off; on, the default, loads them one tile ahead where
+            # tiles have <= PAGE_AHEAD_MAX_BLOCK_N keys, so wider tiles time the same code twice).
+            with page_ahead(False):
+                ours()                            # eager first: compiles the variant
+                row["ms_page_in_loop"] = timed(ours, graphed, **BENCH_MS)
+            row["page_ahead_x"] = row["ms_page_in_loop"] / row["ms"]
             if plan["num_splits"] > 1:
                 inline = functools.partial(ours, merge="inline")
                 out.fill_(float("nan"))
@@ -263,6 +283,8 @@ def fmt_row(r: dict) -> str:
         if ok:
             best = min(ok, key=lambda t: t["ms"])
             notes.append(f"best of {len(ok)} tuned {best['ms']:.4f} ms {best}")
+    if "page_ahead_x" in r:
+        notes.append(f"page ahead x{r['page_ahead_x']:.2f}")
     p = r["plan"]
     tile = f"{p['BLOCK_M']}/{p['BLOCK_N']}/{p['num_warps']}/{p['num_stages']}"
     return head + (f"{r['ms']:>9.4f}{r['ms_inline_merge']:>9.4f}{r['eager_ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
@@ -289,6 +311,10 @@ def goals(rows: list[dict]) -> dict:
         "latency_b1_ctx1024_q8_le_15us": {r["shape"]: round(r["ms"] * 1e3, 2) for r in lat},
         "latency_inline_merge_us": {r["shape"]: round(r["ms_inline_merge"] * 1e3, 2) for r in lat},
         "latency_eager_us": {r["shape"]: round(r["eager_ms"] * 1e3, 2) for r in lat},
+        "page_ahead_x": {"faster_2pct": sum(r["page_ahead_x"] > 1.02 for r in good if "page_ahead_x" in r),
+                         "slower_2pct": sum(r["page_ahead_x"] < 0.98 for r in good if "page_ahead_x" in r),
+                         "median": statistics.median([r["page_ahead_x"] for r in good if "page_ahead_x" in r] or [0]),
+                         "of": sum("page_ahead_x" in r for r in good)},
         "errors": len(rows) - len(good),
         "mismatches_vs_sdpa": sum(not r["check_ok"] for r in good),
     }

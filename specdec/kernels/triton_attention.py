@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -30,18 +31,40 @@ LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128   # below this a split's reads no longer pay for its partial write + merge
 # (H200, B=1 ctx 1024 q 8, 32 heads: 8 splits of 128 keys 18.4 us, 4 of 256 22.5 us)
 MAX_SPLITS = 64
+# Load each KV tile's page indices one tile ahead (see the kernel), for tiles of at most
+# PAGE_AHEAD_MAX_BLOCK_N keys. H200, 98 cases in one run (bench/README.md, session 5): with 64-key
+# tiles 3-14% faster (short streams, split-KV, batch 1); with 128-key tiles (>= LONG_KEYS keys per
+# program) 12-20% slower, so those keep the page load in the tile's own iteration.
+# SPECDEC_ATTN_PAGE_AHEAD=0 or set_page_ahead(False) switches it off (read at launch; graphs keep
+# what they captured).
+PAGE_AHEAD = os.environ.get("SPECDEC_ATTN_PAGE_AHEAD", "1") != "0"
+PAGE_AHEAD_MAX_BLOCK_N = 64
+
+
+def set_page_ahead(enabled: bool) -> None:
+    global PAGE_AHEAD
+    PAGE_AHEAD = bool(enabled)
+
+
+@triton.jit
+def _tile_pages(bt_row, start, kv_len, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The KV page of each key of the tile at `start` (0 past kv_len)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
 
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len, pos, scale_log2,
-                 stride_kb, stride_ks, stride_vb, stride_vs,
+                 stride_kb, stride_ks, stride_vb, stride_vs, ahead,
                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, PAGE_AHEAD: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     keys = start + offs_n
-    if MASKED:
+    if PAGE_AHEAD:  # the caller loaded this tile's pages one tile earlier (`ahead`)
+        page = ahead
+    elif MASKED:
         page = tl.load(bt_row + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + keys // PAGE).to(tl.int64)
@@ -100,7 +123,8 @@ def _paged_attention_kernel(
         stride_ot, stride_oh, stride_bt,
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+        SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+        PAGE_AHEAD: tl.constexpr):
     pdl.enter(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -144,14 +168,23 @@ def _paged_attention_kernel(
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     kv_off_k = kvh * stride_kh
     kv_off_v = kvh * stride_vh
+    # PAGE_AHEAD: each tile's page indices are loaded one tile earlier, so a tile's K/V addresses
+    # never wait on a page-table read of the same iteration (both loops continue one chain).
+    ahead = _tile_pages(bt_row, lo, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
     for start in range(lo, unmasked_end, BLOCK_N):
+        nxt = _tile_pages(bt_row, start + BLOCK_N, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
-                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST, BLOCK_M >= 16)
+                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, ahead,
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST, BLOCK_M >= 16,
+                                     PAGE_AHEAD)
+        ahead = nxt
     for start in range(unmasked_end, hi, BLOCK_N):
+        nxt = _tile_pages(bt_row, start + BLOCK_N, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
-                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST, BLOCK_M >= 16)
+                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, ahead,
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST, BLOCK_M >= 16,
+                                     PAGE_AHEAD)
+        ahead = nxt
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]       # l == 0 only where a split saw no visible key
     dmask = offs_d[None, :] < HEAD_DIM
@@ -418,8 +451,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
         G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast, num_warps=warps, num_stages=stages,
-        **launch)
+        SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast,
+        PAGE_AHEAD=PAGE_AHEAD and block_n <= PAGE_AHEAD_MAX_BLOCK_N, num_warps=warps,
+        num_stages=stages, **launch)
     if split and not inline:
         _merge_splits_kernel[(t, h)](
             out, part, h, num_splits, lse_offset, out.stride(0), out.stride(1),

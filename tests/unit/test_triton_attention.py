@@ -7,6 +7,7 @@ import torch
 
 from specdec.config import CacheConfig, ModelConfig
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error
+from specdec.kernels import triton_attention
 from specdec.kernels.reference import TorchAttention, paged_attention_ref, store_kv_ref
 from specdec.kernels.triton_attention import (SMEM_BUDGET, TritonAttention, _tile_counters,
                                                choose_splits, launch_plan, paged_attention, store_kv,
@@ -40,8 +41,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("page_ahead", [True, False])
 @pytest.mark.parametrize("name", list(CASES))
-def test_named_cases_match_reference(name):
+def test_named_cases_match_reference(name, page_ahead, monkeypatch):
+    # Both ways of reading the page table: each tile's pages one tile ahead (the default), or in
+    # the tile's own iteration.
+    monkeypatch.setattr(triton_attention, "PAGE_AHEAD", page_ahead)
     qls, ctxs, h, hkv, d, bs, cfg, splits = CASES[name]
     batch = random_paged_batch(qls, ctxs, h, hkv, d, bs, torch.float32, "cpu", seed=1)
     out, ref = run_both(batch, splits, cfg)
