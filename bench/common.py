@@ -33,6 +33,7 @@ SHAPES = {
 # The layer kernel sets a benchmark compares in one run; "default" is what the servers run on an H200.
 KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True),
+    "silu_gemv": dict(fused=True, gemv=True, pdl=True, silu=True),  # SiLU * up inside the down GEMV
     "no_pdl": dict(fused=True, gemv=True, pdl=False),      # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -47,6 +48,7 @@ def kernel_set(model, name: str):
     chosen = KERNEL_SETS[name]
     model.set_fused_kernels(chosen["fused"])
     model.set_gemv_kernels(chosen["gemv"])
+    model.set_gemv_silu(chosen.get("silu", False))
     with pdl.forced(chosen["pdl"]):
         yield
 

@@ -1,12 +1,13 @@
 """Target-only decode on the GPU: our runner (CUDA graphs) against the HBM floor and transformers.
 
     python3 bench/decode.py [--shape llama-7b] [--batches 1 8 32] [--steps 128] [--hf-static]
-                            [--sets default no_pdl cublas torch_ops]
+                            [--sets default silu_gemv no_pdl cublas torch_ops]
 
 For each batch size: the device time of one graphed decode forward (graph replay) with each kernel
 set of bench/common.KERNEL_SETS on the same weights in the same run ("default" is what the servers
-run: fused layer kernels, the Triton GEMV, programmatic dependent launch; the others drop one
-piece each, or all of Triton); the tokens/s of a full greedy loop with the default set through
+run: fused layer kernels, the Triton GEMV, programmatic dependent launch; silu_gemv adds SiLU * up
+inside the down projection's GEMV, opt-in until measured; the others drop one piece each, or all
+of Triton); the tokens/s of a full greedy loop with the default set through
 ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
 (weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
 weights. --hf-static adds transformers' static cache, which torch.compiles on first use: its

@@ -227,3 +227,7 @@ class FusedLayerOps:
     @staticmethod
     def linear(x, weight, bias=None):
         return F.linear(x, weight, bias)
+
+    @classmethod
+    def silu_mul_linear(cls, gate_up, weight, bias=None):
+        return cls.linear(cls.silu_mul(gate_up), weight, bias)

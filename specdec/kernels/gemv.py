@@ -13,6 +13,12 @@ At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32
 Accumulation is fp32 for every input dtype, rounded once to the output dtype with the bias added, as
 cuBLAS does, so bf16 results agree with F.linear up to reduction order.
 
+With act="silu_mul" the GEMV reads x = [M, 2K] (gate columns, then up) and multiplies by
+SiLU(gate) * up, rounded as kernels/fused.silu_mul rounds it (SiLU to the dtype, then the product):
+the down projection takes the gate_up projection's output directly, one kernel fewer per layer,
+with the same bits as silu_mul followed by the plain GEMV. Opt-in (GemvOps(fuse_silu=True)) until
+an H200 run has compared it (bench/decode.py's "silu_gemv" kernel set).
+
 The GPU path of the model uses it through GemvOps (chosen at build, on by default on CUDA); `gemv` itself
 runs anywhere Triton does (the CPU under TRITON_INTERPRET=1, which the unit tests use).
 """
@@ -33,10 +39,29 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
+    """x at ptrs (mask unused unless MASKED); with SILU_MUL, SiLU(gate) * up from a [.., 2K] row
+    (ptrs point into the gate half), each rounded to x's dtype as kernels/fused.silu_mul rounds."""
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if SILU_MUL:
+        if MASKED:
+            u = tl.load(ptrs + K, mask=mask, other=0.0)
+        else:
+            u = tl.load(ptrs + K)
+        gf = x.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32)
+        x = (act * u.to(tl.float32)).to(u.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, SILU_MUL: tl.constexpr):
     pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -54,11 +79,11 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-                x = tl.load(X + offs_k)
+                x = _load_x(X + offs_k, None, K, SILU_MUL, False)
             else:  # splits are whole BLOCK_Ks: only K's own end needs a mask (K % 16 keeps 16 B loads)
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(X + offs_k, mask=k_ok, other=0.0)
+                x = _load_x(X + offs_k, k_ok, K, SILU_MUL, True)
             part += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
     else:
@@ -67,11 +92,11 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                x = _load_x(x_rows + offs_k[None, :], m_ok[:, None], K, SILU_MUL, True)
             else:
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                x = _load_x(x_rows + offs_k[None, :], m_ok[:, None] & k_ok[None, :], K, SILU_MUL, True)
             if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -157,10 +182,18 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, act: str | None = None) -> torch.Tensor:
     """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
-    dtype. Always the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry."""
+    dtype. act="silu_mul": x is [M, 2K] and the product is with SiLU(x[:, :K]) * x[:, K:]. Always
+    the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry."""
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"gemv: act {act!r} is not None or 'silu_mul'")
+    silu = act == "silu_mul"
     m, k = x.shape
+    if silu:
+        if k % 2:
+            raise ValueError(f"gemv: silu_mul input width {k} is odd")
+        k //= 2
     n = weight.shape[0]
     if m > MAX_M or weight.shape != (n, k) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
@@ -187,7 +220,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, b, y, ws, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu",
+        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", SILU_MUL=silu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -201,23 +234,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            on_cpu: bool = False) -> torch.Tensor:
     """F.linear, on the GEMV kernel where it serves: CUDA (or on_cpu, for interpreter tests), 2-D
     after flattening, M <= 16, matching 16/32-bit dtypes. Anything else is F.linear's."""
-    lead = x.shape[:-1]
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not (x.is_cuda or on_cpu) or m > MAX_M or x.dtype != weight.dtype or x.dtype not in _DTYPES
-            or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] == 0
-            or (bias is not None and bias.dtype != x.dtype)):
+    if not _serves(x, weight, bias, on_cpu):
         return F.linear(x, weight, bias)
-    return gemv(x.reshape(m, x.shape[-1]), weight, bias).view(*lead, weight.shape[0])
+    return _on_rows(x, weight, bias)
+
+
+def _serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on_cpu: bool) -> bool:
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return ((x.is_cuda or on_cpu) and m <= MAX_M and x.dtype == weight.dtype and x.dtype in _DTYPES
+            and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] != 0
+            and (bias is None or bias.dtype == x.dtype))
+
+
+def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None = None):
+    """gemv over x flattened to rows, reshaped back to x's leading dimensions."""
+    lead = x.shape[:-1]
+    return gemv(x.reshape(-1, x.shape[-1]), weight, bias, act=act).view(*lead, weight.shape[0])
 
 
 class GemvOps:
     """A layer op set (TorchLayerOps or FusedLayerOps) whose linear layers run on the GEMV kernel:
-    every other step is the base set's."""
+    every other step is the base set's. fuse_silu: the down projection reads the gate_up output and
+    applies SiLU * up itself (gemv act="silu_mul") where the GEMV serves the step."""
 
-    def __init__(self, base, on_cpu: bool = False):
+    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False):
         self.base = base
         self.on_cpu = on_cpu
-        self.name = base.name + "+gemv"
+        self.fuse_silu = fuse_silu
+        self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "")
 
     def __getattr__(self, attr):  # only called for what the instance lacks: the base set's ops
         if attr == "base":
@@ -226,3 +270,8 @@ class GemvOps:
 
     def linear(self, x, weight, bias=None):
         return linear(x, weight, bias, on_cpu=self.on_cpu)
+
+    def silu_mul_linear(self, gate_up, weight, bias=None):
+        if self.fuse_silu and gate_up.shape[-1] % 2 == 0 and _serves(gate_up, weight, bias, self.on_cpu):
+            return _on_rows(gate_up, weight, bias, act="silu_mul")
+        return self.linear(self.base.silu_mul(gate_up), weight, bias)

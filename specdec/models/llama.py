@@ -90,6 +90,11 @@ class TorchLayerOps:
         """Every projection and the LM head (kernels/gemv.GemvOps replaces it at decode sizes)."""
         return F.linear(x, weight, bias)
 
+    @classmethod
+    def silu_mul_linear(cls, gate_up, weight, bias=None):
+        """The down projection of SiLU(gate) * up (GemvOps may fuse the two)."""
+        return cls.linear(cls.silu_mul(gate_up), weight, bias)
+
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x @ W_shard^T) + b: the bias is added once, after the reduction."""
@@ -138,7 +143,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.down_proj(ops.silu_mul(gate_up), ops.linear)
+        return self.down_proj(gate_up, ops.silu_mul_linear)
 
 
 class DecoderLayer(nn.Module):
@@ -167,6 +172,7 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.fused_kernels = fused_kernels
         self.gemv_kernels = gemv_kernels
+        self.gemv_silu = False  # SiLU * up inside the down projection's GEMV (set_gemv_silu)
         self._choose_ops()
         # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -187,6 +193,12 @@ class LlamaModel(nn.Module):
         self.gemv_kernels = enabled
         self._choose_ops()
 
+    def set_gemv_silu(self, enabled: bool) -> None:
+        """With the GEMV: SiLU(gate) * up computed inside the down projection's kernel (one kernel
+        fewer per layer, same bits); off by default until measured on the GPU."""
+        self.gemv_silu = enabled
+        self._choose_ops()
+
     def _choose_ops(self) -> None:
         if self.fused_kernels:
             from specdec.kernels.fused import FusedLayerOps  # Triton is imported only when asked for
@@ -195,7 +207,7 @@ class LlamaModel(nn.Module):
             self.ops = TorchLayerOps()
         if self.gemv_kernels:
             from specdec.kernels.gemv import GemvOps
-            self.ops = GemvOps(self.ops)
+            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu)
 
     @property
     def num_kv_heads_local(self) -> int:

@@ -152,6 +152,18 @@ def test_gemv_logits_match_cublas_on_cuda(dtype, fused):
 
 
 @pytest.mark.gpu
+def test_fused_silu_down_projection_keeps_graphed_logits_on_cuda():
+    """The SiLU * up prologue in real graphs, bf16, fused layer kernels, against eager steps with the
+    separate silu_mul kernel (the tolerance covers graph vs eager split-KV sums; the kernel-level
+    test above checks the prologue's bits)."""
+    model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda"), std=0.05)
+    model.set_gemv_silu(True)
+    runner = new_runner(model, torch.bfloat16)
+    runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
+    assert_switch_keeps_logits(model, torch.bfloat16, lambda m: m.set_gemv_silu(False), 2e-2, runner)
+
+
+@pytest.mark.gpu
 def test_gemv_graphed_decode_matches_eager_cublas():
     model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda"), std=0.05)
     assert model.gemv_kernels and isinstance(model.ops, GemvOps)  # the CUDA default
@@ -159,3 +171,44 @@ def test_gemv_graphed_decode_matches_eager_cublas():
     runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(4,))
     assert_switch_keeps_logits(model, torch.bfloat16, lambda m: m.set_gemv_kernels(False), 2e-2, runner)
     assert runner.graphs.replays > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, k, split", [(1, 256, 1), (1, 200, 3), (5, 256, 1), (16, 200, 2)])
+def test_silu_mul_prologue_gives_the_bits_of_silu_mul_then_gemv(device, dtype, m, k, split):
+    """act="silu_mul" reads gate_up [M, 2K] and rounds SiLU and the product where silu_mul does, so
+    the down projection has exactly the bits of the two-kernel path, on both code paths (M = 1 and
+    tl.dot), with split-K and a ragged last K step."""
+    from specdec.kernels.fused import silu_mul
+    gate_up, w, b = _operands(m, 41, 2 * k, dtype, device, bias=m == 5)
+    w = w[:, :k].contiguous()
+    base = default_config(m, 41, k, 132)
+    cfg = GemvConfig(base.block_m, base.block_n, 32, split_k=split)
+    act = silu_mul(gate_up)   # the two-kernel path's activation (the interpreter runs it on the CPU)
+    fused = gemv(gate_up, w, b, cfg, act="silu_mul")
+    assert torch.equal(fused, gemv(act, w, b, cfg))
+    with pytest.raises(ValueError, match="odd"):
+        gemv(gate_up[:, :-1], w, act="silu_mul")
+
+
+def test_fused_silu_down_projection_in_the_model_on_cpu():
+    """GemvOps(fuse_silu=True) through the model: the down projection reads gate_up directly where
+    the GEMV serves (decode and verify steps), and silu_mul + linear elsewhere (the 16-token
+    prefill of run_steps serves too; longer steps fall back to F.linear); logits as without it."""
+    model = init_random(build_model(tiny_config(), torch.float32, "cpu"), std=0.1)
+    model.set_gemv_kernels(True)
+    model.ops.on_cpu = True
+    want = run_steps(new_runner(model, torch.float32))
+    model.set_gemv_silu(True)
+    model.ops.on_cpu = True
+    assert model.ops.name == "torch+gemv+silu" and model.ops.fuse_silu
+    calls = []
+    original = model.ops.silu_mul_linear
+    model.ops.silu_mul_linear = lambda *a: calls.append(a[0].shape) or original(*a)
+    got = run_steps(new_runner(model, torch.float32))
+    assert calls and all(shape[-1] == 2 * tiny_config().intermediate_size for shape in calls)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    model.set_gemv_silu(False)
+    assert model.ops.name == "torch+gemv"
