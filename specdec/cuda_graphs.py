@@ -52,7 +52,8 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch       # the static input buffers (views of `packed`)
     packed: PackedBuffer      # ... refilled by one host-to-device copy per staged step
-    logits: torch.Tensor      # [rows, V] static output (Shape.logit_rows rows, else one per token)
+    logits: torch.Tensor      # [rows, V] static output (Shape.logit_rows rows, else one per token):
+                              # a view of the one buffer every graph writes (GraphedForward._logits)
     stamp: int = 0            # what the static inputs hold now (a staged batch carries its stamp)
 
 
@@ -96,6 +97,12 @@ class GraphedForward:
                                           if self.query_lens[-1] < p <= self.max_context}))
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # forwards served by a graph (tests and logs check the GPU path uses them)
+        # One fp32 logits buffer for all graphs, outside their pool: graphs replay one at a time and
+        # _outputs copies a replay's rows out before the next, so a buffer per graph (~0.8 GB for a
+        # 7B target with 32k ids and the default buckets; 4x that with 128k) would only hold stale rows.
+        rows = max(self._rows(b, q) for q in self.query_lens + self.prefill_lens for b in self.batch_sizes)
+        self._logits = torch.empty(rows, runner.model.config.vocab_size, dtype=torch.float32,
+                                   device=self.device)
         pool = self._new_pool()
         # Longest queries and largest batches first: later, smaller captures mostly reuse the pool's
         # memory (not strictly by rows: (32, 256) has more than (1, 512); that costs pool memory only).
@@ -124,23 +131,29 @@ class GraphedForward:
         qv = self.query_lens[-1]
         return Shape(q + (b - 1) * qv, b * qv)
 
+    def _rows(self, b: int, q: int) -> int:
+        """Logit rows bucket (b, q)'s graph writes."""
+        shape = self.shape(b, q)
+        return shape.logit_rows or shape.tokens
+
+    def _logits_out(self, b: int, q: int) -> torch.Tensor:
+        return self._logits[:self._rows(b, q)]
+
     def _layout(self, b: int, q: int) -> list[tuple[int, torch.dtype]]:
         """The static inputs of bucket (b, q) in one packed buffer: input ids, positions, slots,
         query_start_loc, context_lens, block tables (row-major); then the rows whose logits a
         staged step returns (a prefill bucket's graph gathers them; a decode/verify bucket's
         graph computes every row and _outputs selects them after the replay)."""
-        shape, i64, i32 = self.shape(b, q), torch.int64, torch.int32
-        t = shape.tokens
-        rows = shape.logit_rows or t
-        return [(t, i64), (t, i64), (t, i64), (b + 1, i32), (b, i32), (b * self.max_blocks, i32), (rows, i64)]
+        t, i64, i32 = self.shape(b, q).tokens, torch.int64, torch.int32
+        return [(t, i64), (t, i64), (t, i64), (b + 1, i32), (b, i32), (b * self.max_blocks, i32),
+                (self._rows(b, q), i64)]
 
     def _fill(self, packed: PackedBuffer, b: int, q: int, ids, positions, slots, starts, ctx_lens,
               tables, logit_rows) -> list[torch.Tensor]:
         """Pads one step's host arrays to bucket (b, q) and writes them in one copy. Padding tokens
         get slot -1 (no KV write), padding sequences empty query spans, padding logit rows row 0."""
-        shape = self.shape(b, q)
-        cap, t, n = shape.tokens, len(ids), len(starts) - 1
-        rows = shape.logit_rows or cap
+        cap, t, n = self.shape(b, q).tokens, len(ids), len(starts) - 1
+        rows = self._rows(b, q)
         return packed.fill([ids + [0] * (cap - t), positions + [0] * (cap - t), slots + [-1] * (cap - t),
                             starts + [t] * (b - n), ctx_lens + [q] * (b - n),
                             padded_table(tables, self.max_blocks, b),
@@ -155,7 +168,7 @@ class GraphedForward:
         # bound max_context) are baked into the graph.
         lens = [q] + [(t - q) // (b - 1)] * (b - 1) if b > 1 else [q]
         starts = [sum(lens[:i]) for i in range(b + 1)]
-        rows = list(range(shape.logit_rows or t))
+        rows = list(range(self._rows(b, q)))
         v = self._fill(packed, b, q, [0] * t, [0] * t, [-1] * t, starts, lens,
                        [[0] * self.max_blocks] * b, rows)
         if shape.logit_rows is None:
@@ -209,8 +222,9 @@ class GraphedForward:
     @torch.inference_mode()
     def _capture(self, b: int, q: int, pool) -> _Graph:
         batch, packed = self._static_batch(b, q)
-        graph, logits = self._record(lambda: self._model(batch, self._kv, self._backend), pool)
-        return _Graph(graph, batch, packed, logits)
+        out = self._logits_out(b, q)
+        graph, _ = self._record(lambda: self._model(batch, self._kv, self._backend, out=out), pool)
+        return _Graph(graph, batch, packed, out)
 
     def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor) -> None:
         """What a chain graph runs: the forward of bucket (b, 1), the argmax of each row into

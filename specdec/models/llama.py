@@ -213,8 +213,10 @@ class LlamaModel(nn.Module):
     def num_kv_heads_local(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
 
-    def forward(self, batch: "ForwardBatch", kv: "KVCache", backend) -> torch.Tensor:
-        """Returns logits [len(batch.logits_indices), vocab] in float32."""
+    def forward(self, batch: "ForwardBatch", kv: "KVCache", backend,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns logits [len(batch.logits_indices), vocab] in float32: in `out` when given (the
+        CUDA graphs share one such buffer), else a new tensor."""
         x = self.embed_tokens(batch.input_ids)                               # [T, hidden]
         cos, sin = self.ops.cos_sin(self.rotary, batch.positions, x.dtype)
         residual = None
@@ -224,4 +226,5 @@ class LlamaModel(nn.Module):
         last = None if residual is None else residual[rows]
         x, _ = self.ops.add_rmsnorm(x[rows], last, self.norm)               # [N, hidden]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(x, head).float()
+        logits = self.ops.linear(x, head)
+        return logits.float() if out is None else out.copy_(logits)

@@ -49,8 +49,7 @@ class CpuGraphs(GraphedForward):
     def _capture(self, b, q, pool):
         with torch.inference_mode():
             batch, packed = self._static_batch(b, q)
-            shape = self.shape(b, q)
-            logits = torch.zeros(shape.logit_rows or shape.tokens, self._model.config.vocab_size)
+            logits = self._logits_out(b, q)   # the real capture's output: a view of the shared buffer
         return _Graph(_ModelReplay(self, batch, logits), batch, packed, logits)
 
     def _capture_chain(self, b, pool):
@@ -409,3 +408,23 @@ def test_draft_engine_drafts_the_same_on_prefill_buckets(tmp_path):
         a, b = plain.propose(step), graphed.propose(step)
         assert [o.tokens for o in b.outputs] == [o.tokens for o in a.outputs]
         assert graphed.runner.graphs.replays > before
+
+
+def test_every_graph_writes_one_shared_logits_buffer(prefill_runners):
+    """All graphs' static logits are views of one buffer (as large as the largest bucket's rows),
+    so a step's logits must be, and are, copied out before the next replay."""
+    eager, graphed, rng = prefill_runners
+    g = graphed.graphs
+    storages = {graph.logits.untyped_storage().data_ptr() for graph in g.graphs.values()}
+    assert storages == {g._logits.untyped_storage().data_ptr()}
+    assert g._logits.shape[0] == max(g._rows(b, q) for b, q in g.graphs)
+    for r in (eager, graphed):
+        for s in range(3):
+            r.add_sequence(s)
+    first = [SeqInput(0, list(range(12)), 1), SeqInput(1, [3, 4], 2)]          # prefill bucket
+    second = [SeqInput(2, [5]), SeqInput(1, [6])]                               # decode bucket
+    got_first, want_first = graphed.step(first), eager.step(first)
+    graphed.step(second)
+    eager.step(second)
+    for w, got in zip(want_first, got_first):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=0)
