@@ -68,7 +68,7 @@ class Loop:
         self.draft, self.target, self.k = draft, target, k
         rng = random.Random(seed)
         self.ids = [10_000 * (seed + 1) + i for i in range(b)]
-        prompts = [[rng.randrange(32000) for _ in range(PROMPT)] for _ in range(b)]
+        prompts = [[rng.randrange(target.vocab_size) for _ in range(PROMPT)] for _ in range(b)]
         out = target.verify([VerifySeqInput(s, p, first=True) for s, p in zip(self.ids, prompts)])
         prop = draft.propose([DraftSeqInput(s, 0, p, 0, first=True) for s, p in zip(self.ids, prompts)])
         assert all(o.error is None for o in out.outputs + prop.outputs)
@@ -153,7 +153,8 @@ def measure(draft, target, b: int, k: int, steps: int, seed: int) -> dict:
         loop.spec()
     spec = [loop.spec() for _ in range(steps)]
     rng = random.Random(seed)
-    joins = [loop.spec(join=[rng.randrange(32000) for _ in range(JOIN_PROMPT)]) for _ in range(8)]
+    joins = [loop.spec(join=[rng.randrange(target.vocab_size) for _ in range(JOIN_PROMPT)])
+             for _ in range(8)]
     loop.close()
     row.update(plain_wall_ms=med_ms(plain, "target_wall"), plain_fwd_ms=med_ms(plain, "target_fwd"),
                draft_wall_ms=med_ms(spec, "draft_wall"), draft_fwd_ms=med_ms(spec, "draft_fwd"),
