@@ -100,7 +100,8 @@ class GraphedForward:
         # One fp32 logits buffer for all graphs, outside their pool: graphs replay one at a time and
         # _outputs copies a replay's rows out before the next, so a buffer per graph (~0.8 GB for a
         # 7B target with 32k ids and the default buckets; 4x that with 128k) would only hold stale rows.
-        rows = max(self._rows(b, q) for q in self.query_lens + self.prefill_lens for b in self.batch_sizes)
+        rows = max((self._rows(b, q) for q in self.query_lens + self.prefill_lens for b in self.batch_sizes),
+                   default=0)
         self._logits = torch.empty(rows, runner.model.config.vocab_size, dtype=torch.float32,
                                    device=self.device)
         pool = self._new_pool()

@@ -176,3 +176,20 @@ def test_tile_heuristic_widens_long_streams_and_fits_shared_memory():
     plan = launch_plan(64, 32, 8, 128, 1, 8192, torch.device("cpu"), num_splits=1,
                        config={"BLOCK_N": 32, "num_stages": 2})
     assert (plan["BLOCK_N"], plan["num_stages"]) == (32, 2)
+
+
+@pytest.mark.parametrize("page_ahead", [True, False])
+@pytest.mark.parametrize("cfg, splits, merge", [
+    ({"BLOCK_M": 4, "BLOCK_N": 16}, 3, "inline"),
+    ({"BLOCK_M": 8, "BLOCK_N": 32}, 2, "separate"),
+    ({"BLOCK_M": 2, "BLOCK_N": 16}, None, "separate"),
+    ({"BLOCK_N": 64}, 4, "inline"),
+])
+def test_page_ahead_on_core_products_inline_merge_and_head_dim_64(page_ahead, cfg, splits, merge,
+                                                                  monkeypatch):
+    """Both page-table reads where the named cases do not go: tiles under 16 rows (CUDA-core
+    products), the inline merge, head_dim 64, splits whose next tile lies in the following split."""
+    monkeypatch.setattr(triton_attention, "PAGE_AHEAD", page_ahead)
+    batch = random_paged_batch([1, 3, 1], [70, 41, 129], 4, 2, 64, 8, torch.float32, "cpu", seed=3)
+    out, ref = run_both(batch, splits, cfg, merge=merge)
+    assert rel_error(out, ref) < 1e-5
