@@ -33,7 +33,7 @@ SHAPES = {
 # The layer kernel sets a benchmark compares in one run; "default" is what the servers run on an H200.
 KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True),
-    "silu_gemv": dict(fused=True, gemv=True, pdl=True, silu=True),  # SiLU * up inside the down GEMV
+    "silu_gemv": dict(fused=True, gemv=True, pdl=True, silu=True),  # SiLU * up in the gate_up GEMV
     "no_pdl": dict(fused=True, gemv=True, pdl=False),      # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all

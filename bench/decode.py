@@ -6,8 +6,8 @@
 For each batch size: the device time of one graphed decode forward (graph replay) with each kernel
 set of bench/common.KERNEL_SETS on the same weights in the same run ("default" is what the servers
 run: fused layer kernels, the Triton GEMV, programmatic dependent launch; silu_gemv adds SiLU * up
-inside the down projection's GEMV, opt-in until measured; the others drop one piece each, or all
-of Triton); the tokens/s of a full greedy loop with the default set through
+in the gate_up projection's GEMV epilogue, opt-in until measured; the others drop one piece each,
+or all of Triton); the tokens/s of a full greedy loop with the default set through
 ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
 (weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
 weights. --hf-static adds transformers' static cache, which torch.compiles on first use: its

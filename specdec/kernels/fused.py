@@ -229,5 +229,5 @@ class FusedLayerOps:
         return F.linear(x, weight, bias)
 
     @classmethod
-    def silu_mul_linear(cls, gate_up, weight, bias=None):
-        return cls.linear(cls.silu_mul(gate_up), weight, bias)
+    def gate_up_silu(cls, x, weight, bias=None):
+        return cls.silu_mul(cls.linear(x, weight, bias))

@@ -13,11 +13,13 @@ At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32
 Accumulation is fp32 for every input dtype, rounded once to the output dtype with the bias added, as
 cuBLAS does, so bf16 results agree with F.linear up to reduction order.
 
-With act="silu_mul" the GEMV reads x = [M, 2K] (gate columns, then up) and multiplies by
-SiLU(gate) * up, rounded as kernels/fused.silu_mul rounds it (SiLU to the dtype, then the product):
-the down projection takes the gate_up projection's output directly, one kernel fewer per layer,
-with the same bits as silu_mul followed by the plain GEMV. Opt-in (GemvOps(fuse_silu=True)) until
-an H200 run has compared it (bench/decode.py's "silu_gemv" kernel set).
+With epilogue="silu_mul" the gate_up projection ([2I, K] weight: gate rows, then up rows) returns
+SiLU(gate) * up, [M, I], instead of [M, 2I]: each program reads the gate rows of its output columns
+and the matching up rows (the same bytes per program as the plain GEMV's tile), and its epilogue
+rounds gate and up to the dtype as the projection would have, then applies SiLU * up as
+kernels/fused.silu_mul does. So the silu_mul kernel goes (one kernel fewer per layer) and the bits
+stay those of gate_up + silu_mul; each SiLU is computed once. Opt-in (GemvOps(fuse_silu=True))
+until an H200 run has compared it (bench/decode.py's "silu_gemv" kernel set).
 
 The GPU path of the model uses it through GemvOps (chosen at build, on by default on CUDA); `gemv` itself
 runs anywhere Triton does (the CPU under TRITON_INTERPRET=1, which the unit tests use).
@@ -39,35 +41,34 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr):
-    """x at ptrs (mask unused unless MASKED); with SILU_MUL, SiLU(gate) * up from a [.., 2K] row
-    (ptrs point into the gate half), each rounded to x's dtype as kernels/fused.silu_mul rounds."""
-    if MASKED:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        x = tl.load(ptrs)
-    if SILU_MUL:
-        if MASKED:
-            u = tl.load(ptrs + K, mask=mask, other=0.0)
-        else:
-            u = tl.load(ptrs + K)
-        gf = x.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32)
-        x = (act * u.to(tl.float32)).to(u.dtype)
-    return x
+def _silu_mul_rounded(g, u, DTYPE: tl.constexpr):
+    """SiLU(g) * u from fp32 accumulators, rounded where gate_up's output and silu_mul round."""
+    g = g.to(DTYPE).to(tl.float32)
+    u = u.to(DTYPE).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return (act * u).to(DTYPE)
 
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, SILU_MUL: tl.constexpr):
+                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr):
+    """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
+    rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up."""
     pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        offs_r = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + offs_r % HALF
+        offs_n = col + (offs_r // HALF) * N             # W rows: gate rows, then the up rows
+        n_ok = col < N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
     m_ok = offs_m < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -79,11 +80,11 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-                x = _load_x(X + offs_k, None, K, SILU_MUL, False)
+                x = tl.load(X + offs_k)
             else:  # splits are whole BLOCK_Ks: only K's own end needs a mask (K % 16 keeps 16 B loads)
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = _load_x(X + offs_k, k_ok, K, SILU_MUL, True)
+                x = tl.load(X + offs_k, mask=k_ok, other=0.0)
             part += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
     else:
@@ -92,39 +93,57 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-                x = _load_x(x_rows + offs_k[None, :], m_ok[:, None], K, SILU_MUL, True)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
             else:
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = _load_x(x_rows + offs_k[None, :], m_ok[:, None] & k_ok[None, :], K, SILU_MUL, True)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
     out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT > 1:
-        ws = WS + (pid_k * M + offs_m)[:, None].to(tl.int64) * N + offs_n[None, :]
+    if SPLIT > 1:  # fp32 partials of every W row (GLU: 2N columns), summed in split order
+        n_ws = 2 * N if GLU else N
+        ws = WS + (pid_k * M + offs_m)[:, None].to(tl.int64) * n_ws + offs_n[None, :]
         tl.store(ws, acc, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
+        if GLU:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+            cols = pid_n * HALF + tl.arange(0, HALF)
+            y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+            tl.store(y, _silu_mul_rounded(gate, up, Y.dtype.element_ty),
+                     mask=m_ok[:, None] & (cols < N)[None, :])
+        else:
+            y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _splitk_reduce_kernel(WS, B, Y, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr):
     pdl.enter(USE_PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    n_ws = 2 * N if GLU else N
     for s in tl.static_range(SPLIT):  # fixed order: deterministic
-        acc += tl.load(WS + (s * M + m).to(tl.int64) * N + offs, mask=ok, other=0.0)
+        acc += tl.load(WS + (s * M + m).to(tl.int64) * n_ws + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + m.to(tl.int64) * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
+    if GLU:  # the up half, then SiLU(gate) * up
+        up = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            up += tl.load(WS + (s * M + m).to(tl.int64) * n_ws + N + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            up += tl.load(B + N + offs, mask=ok, other=0.0).to(tl.float32)
+        out = _silu_mul_rounded(acc, up, Y.dtype.element_ty)
+    else:
+        out = acc.to(Y.dtype.element_ty)
+    tl.store(Y + m.to(tl.int64) * stride_ym + offs, out, mask=ok)
 
 
 @dataclass(frozen=True)
@@ -182,51 +201,58 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, act: str | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, epilogue: str | None = None) -> torch.Tensor:
     """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
-    dtype. act="silu_mul": x is [M, 2K] and the product is with SiLU(x[:, :K]) * x[:, K:]. Always
+    dtype. epilogue="silu_mul": weight is [2I, K] (gate rows, then up rows) and the result is
+    SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
     the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry."""
-    if act not in (None, "silu_mul"):
-        raise ValueError(f"gemv: act {act!r} is not None or 'silu_mul'")
-    silu = act == "silu_mul"
+    if epilogue not in (None, "silu_mul"):
+        raise ValueError(f"gemv: epilogue {epilogue!r} is not None or 'silu_mul'")
+    glu = epilogue == "silu_mul"
     m, k = x.shape
-    if silu:
-        if k % 2:
-            raise ValueError(f"gemv: silu_mul input width {k} is odd")
-        k //= 2
-    n = weight.shape[0]
-    if m > MAX_M or weight.shape != (n, k) or (bias is not None and bias.shape != (n,)):
+    rows = weight.shape[0]
+    if m > MAX_M or weight.shape != (rows, k) or (bias is not None and bias.shape != (rows,)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit (M <= {MAX_M})")
+    if glu and rows % 2:
+        raise ValueError(f"gemv: the silu_mul epilogue needs gate and up rows, got {rows} (odd)")
     if x.dtype != weight.dtype or x.dtype not in _DTYPES:
         raise ValueError(f"gemv: x {x.dtype} and weight {weight.dtype} must be one of {_DTYPES}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
         raise ValueError("gemv: weight rows must be contiguous")
+    n = rows // 2 if glu else rows   # output columns
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
+        if glu:
+            from specdec.kernels.fused import silu_mul
+            full = torch.zeros((m, rows), dtype=x.dtype, device=x.device)
+            return silu_mul(full if bias is None else full + bias)
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    # The tile (rows of W per program) is the plain GEMV's over all rows: the same bytes per program.
+    cfg = config or default_config(m, rows, k, _num_sms(x.device))
     if (m == 1) != (cfg.block_m == 1):
         raise ValueError(f"gemv: config block_m {cfg.block_m} does not serve M = {m}")
+    if glu and cfg.block_n < 2:
+        raise ValueError("gemv: the silu_mul epilogue needs block_n >= 2 (gate and up rows)")
     k_per_split, split = split_layout(k, cfg)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    ws = torch.empty((split, m, rows), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     launch = pdl.options(x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _gemv_kernel[(triton.cdiv(rows, cfg.block_n), split)](
         x, weight, b, y, ws, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", SILU_MUL=silu,
+        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             ws, b, y, m, n, y.stride(0), SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block,
-            num_warps=4, **launch)
+            GLU=glu, num_warps=4, **launch)
     return y
 
 
@@ -246,16 +272,17 @@ def _serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on
             and (bias is None or bias.dtype == x.dtype))
 
 
-def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None = None):
+def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             epilogue: str | None = None) -> torch.Tensor:
     """gemv over x flattened to rows, reshaped back to x's leading dimensions."""
-    lead = x.shape[:-1]
-    return gemv(x.reshape(-1, x.shape[-1]), weight, bias, act=act).view(*lead, weight.shape[0])
+    y = gemv(x.reshape(-1, x.shape[-1]), weight, bias, epilogue=epilogue)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class GemvOps:
     """A layer op set (TorchLayerOps or FusedLayerOps) whose linear layers run on the GEMV kernel:
-    every other step is the base set's. fuse_silu: the down projection reads the gate_up output and
-    applies SiLU * up itself (gemv act="silu_mul") where the GEMV serves the step."""
+    every other step is the base set's. fuse_silu: the gate_up projection returns SiLU(gate) * up
+    itself (gemv epilogue="silu_mul") where the GEMV serves the step."""
 
     def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False):
         self.base = base
@@ -271,7 +298,7 @@ class GemvOps:
     def linear(self, x, weight, bias=None):
         return linear(x, weight, bias, on_cpu=self.on_cpu)
 
-    def silu_mul_linear(self, gate_up, weight, bias=None):
-        if self.fuse_silu and gate_up.shape[-1] % 2 == 0 and _serves(gate_up, weight, bias, self.on_cpu):
-            return _on_rows(gate_up, weight, bias, act="silu_mul")
-        return self.linear(self.base.silu_mul(gate_up), weight, bias)
+    def gate_up_silu(self, x, weight, bias=None):
+        if self.fuse_silu and weight.shape[0] % 2 == 0 and _serves(x, weight, bias, self.on_cpu):
+            return _on_rows(x, weight, bias, epilogue="silu_mul")
+        return self.base.silu_mul(self.linear(x, weight, bias))

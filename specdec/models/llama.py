@@ -91,9 +91,9 @@ class TorchLayerOps:
         return F.linear(x, weight, bias)
 
     @classmethod
-    def silu_mul_linear(cls, gate_up, weight, bias=None):
-        """The down projection of SiLU(gate) * up (GemvOps may fuse the two)."""
-        return cls.linear(cls.silu_mul(gate_up), weight, bias)
+    def gate_up_silu(cls, x, weight, bias=None):
+        """SiLU(gate) * up of the fused gate_up projection (GemvOps may do both in one kernel)."""
+        return cls.silu_mul(cls.linear(x, weight, bias))
 
 
 class RowParallelLinear(nn.Module):
@@ -142,8 +142,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.down_proj(gate_up, ops.silu_mul_linear)
+        act = ops.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return self.down_proj(act, ops.linear)
 
 
 class DecoderLayer(nn.Module):
@@ -172,7 +172,7 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.fused_kernels = fused_kernels
         self.gemv_kernels = gemv_kernels
-        self.gemv_silu = False  # SiLU * up inside the down projection's GEMV (set_gemv_silu)
+        self.gemv_silu = False  # SiLU * up in the gate_up projection's GEMV epilogue (set_gemv_silu)
         self._choose_ops()
         # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -194,7 +194,7 @@ class LlamaModel(nn.Module):
         self._choose_ops()
 
     def set_gemv_silu(self, enabled: bool) -> None:
-        """With the GEMV: SiLU(gate) * up computed inside the down projection's kernel (one kernel
+        """With the GEMV: SiLU(gate) * up computed in the gate_up projection's epilogue (one kernel
         fewer per layer, same bits); off by default until measured on the GPU."""
         self.gemv_silu = enabled
         self._choose_ops()

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels import gemv as gemv_module
 from specdec.kernels.gemv import MAX_M, GemvConfig, GemvOps, default_config, gemv, linear, split_layout
 from specdec.models.llama import TorchLayerOps
 from specdec.models.loader import build_model, init_random
@@ -152,10 +153,10 @@ def test_gemv_logits_match_cublas_on_cuda(dtype, fused):
 
 
 @pytest.mark.gpu
-def test_fused_silu_down_projection_keeps_graphed_logits_on_cuda():
-    """The SiLU * up prologue in real graphs, bf16, fused layer kernels, against eager steps with the
+def test_fused_silu_gate_up_keeps_graphed_logits_on_cuda():
+    """The SiLU * up epilogue in real graphs, bf16, fused layer kernels, against eager steps with the
     separate silu_mul kernel (the tolerance covers graph vs eager split-KV sums; the kernel-level
-    test above checks the prologue's bits)."""
+    test above checks the epilogue's bits)."""
     model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda"), std=0.05)
     model.set_gemv_silu(True)
     runner = new_runner(model, torch.bfloat16)
@@ -175,27 +176,29 @@ def test_gemv_graphed_decode_matches_eager_cublas():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, k, split", [(1, 256, 1), (1, 200, 3), (5, 256, 1), (16, 200, 2)])
-def test_silu_mul_prologue_gives_the_bits_of_silu_mul_then_gemv(device, dtype, m, k, split):
-    """act="silu_mul" reads gate_up [M, 2K] and rounds SiLU and the product where silu_mul does, so
-    the down projection has exactly the bits of the two-kernel path, on both code paths (M = 1 and
-    tl.dot), with split-K and a ragged last K step."""
+@pytest.mark.parametrize("m, k, split, block_n", [(1, 256, 1, 8), (1, 200, 3, 4), (5, 256, 1, 32),
+                                                  (16, 200, 2, 16)])
+def test_silu_mul_epilogue_gives_the_bits_of_gate_up_then_silu_mul(device, dtype, m, k, split, block_n):
+    """epilogue="silu_mul" returns SiLU(gate) * up of a [2I, K] projection with exactly the bits of
+    the projection followed by the silu_mul kernel, on both code paths (M = 1 and tl.dot), with
+    split-K (the reduce kernel applies it), a ragged last K step, I not a multiple of the tile,
+    and bias."""
     from specdec.kernels.fused import silu_mul
-    gate_up, w, b = _operands(m, 41, 2 * k, dtype, device, bias=m == 5)
-    w = w[:, :k].contiguous()
-    base = default_config(m, 41, k, 132)
-    cfg = GemvConfig(base.block_m, base.block_n, 32, split_k=split)
-    act = silu_mul(gate_up)   # the two-kernel path's activation (the interpreter runs it on the CPU)
-    fused = gemv(gate_up, w, b, cfg, act="silu_mul")
-    assert torch.equal(fused, gemv(act, w, b, cfg))
+    inter = 21
+    x, w, b = _operands(m, 2 * inter, k, dtype, device, bias=m == 5)
+    base = default_config(m, 2 * inter, k, 132)
+    cfg = GemvConfig(base.block_m, block_n, 32, split_k=split)
+    fused = gemv(x, w, b, cfg, epilogue="silu_mul")
+    assert fused.shape == (m, inter)
+    assert torch.equal(fused, silu_mul(gemv(x, w, b, cfg)))
     with pytest.raises(ValueError, match="odd"):
-        gemv(gate_up[:, :-1], w, act="silu_mul")
+        gemv(x, w[:-1], epilogue="silu_mul")
 
 
-def test_fused_silu_down_projection_in_the_model_on_cpu():
-    """GemvOps(fuse_silu=True) through the model: the down projection reads gate_up directly where
-    the GEMV serves (decode and verify steps), and silu_mul + linear elsewhere (the 16-token
-    prefill of run_steps serves too; longer steps fall back to F.linear); logits as without it."""
+def test_fused_silu_gate_up_in_the_model_on_cpu():
+    """GemvOps(fuse_silu=True) through the model: the gate_up projection returns SiLU * up where
+    the GEMV serves (decode and verify steps, the 16-token prefill of run_steps), and logits are
+    those of the separate silu_mul."""
     model = init_random(build_model(tiny_config(), torch.float32, "cpu"), std=0.1)
     model.set_gemv_kernels(True)
     model.ops.on_cpu = True
@@ -203,11 +206,14 @@ def test_fused_silu_down_projection_in_the_model_on_cpu():
     model.set_gemv_silu(True)
     model.ops.on_cpu = True
     assert model.ops.name == "torch+gemv+silu" and model.ops.fuse_silu
-    calls = []
-    original = model.ops.silu_mul_linear
-    model.ops.silu_mul_linear = lambda *a: calls.append(a[0].shape) or original(*a)
-    got = run_steps(new_runner(model, torch.float32))
-    assert calls and all(shape[-1] == 2 * tiny_config().intermediate_size for shape in calls)
+    fused = []
+    original = gemv_module.gemv
+    gemv_module.gemv = lambda *a, **kw: fused.append(kw.get("epilogue")) or original(*a, **kw)
+    try:
+        got = run_steps(new_runner(model, torch.float32))
+    finally:
+        gemv_module.gemv = original
+    assert "silu_mul" in fused
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     model.set_gemv_silu(False)
