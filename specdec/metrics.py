@@ -88,6 +88,10 @@ SERVER_METRICS = PROCESS_METRICS + (
        "role", "batch", "query_len"),
     _g("specdec_kv_blocks_used", "Paged KV cache blocks in use", "role"),
     _g("specdec_kv_blocks_free", "Paged KV cache blocks free", "role"),
+    _c("specdec_server_forwards_total",
+       "Model forwards by how they ran: path=graph (a CUDA-graph replay) or eager (op by op: on a GPU "
+       "a step no graph bucket fits, e.g. a prompt chunk over the largest prefill length, costs "
+       "milliseconds of launches)", "role", "path"),
 )
 COORDINATOR_METRICS = PROCESS_METRICS + (
     _c("specdec_draft_tokens_total", "Draft tokens proposed and sent for verification"),
@@ -213,6 +217,9 @@ class ServerMetrics(_ProcessMetrics):
             self._m["specdec_forward_seconds"].labels(role=role, phase=phase)
         self.profile = CostProfile(buckets, ema_weight)
         self.watch_profile(self.profile)
+        self._forwards_seen: dict[str, int] = {}   # the engine's totals already counted, per path
+        for path in ("graph", "eager"):
+            self._m["specdec_server_forwards_total"].labels(role=role, path=path)
 
     def watch_profile(self, profile: CostProfile) -> None:
         """Exports `profile` (its current entries and every later change) as the profile gauge."""
@@ -229,6 +236,15 @@ class ServerMetrics(_ProcessMetrics):
     def set_kv(self, used: int, free: int) -> None:
         self._child("specdec_kv_blocks_used", role=self.role).set(used)
         self._child("specdec_kv_blocks_free", role=self.role).set(free)
+
+    def set_forwards(self, graph: int, eager: int) -> None:
+        """The engine's running totals of graph replays and eager forwards (counters move by the
+        difference, so a total that only grows is all they need)."""
+        for path, total in (("graph", graph), ("eager", eager)):
+            seen = self._forwards_seen.get(path, 0)
+            if total > seen:
+                self._child("specdec_server_forwards_total", role=self.role, path=path).inc(total - seen)
+                self._forwards_seen[path] = total
 
 
 class CoordinatorMetrics(_ProcessMetrics):

@@ -84,6 +84,7 @@ class ModelRunner:
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
         self.backend = backend or default_backend(self.device)
         self.graphs = None
+        self.eager_forwards = 0  # forwards that ran op by op (graph replays: graphs.replays)
 
     def enable_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,),
                            batch_sizes: tuple[int, ...] | None = None, chains: bool = False,
@@ -180,6 +181,7 @@ class ModelRunner:
             logits = self.graphs.forward(batch)  # a copy: the graph's output is overwritten next replay
             if logits is not None:
                 return logits
+        self.eager_forwards += 1
         return self.model(batch, self.kv, self.backend)
 
     def step(self, items: Sequence[SeqInput], graphs: bool = True) -> list[torch.Tensor]:

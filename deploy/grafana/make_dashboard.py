@@ -104,6 +104,13 @@ PANELS = [
          "{{role}} {{part}}")],
      "Mean per step of each server's own handling, as the coordinator receives it: device time of "
      "its forwards and the rest (request conversion, scheduling, launches, sampling, response)."),
+    ("Forwards: CUDA graph or eager", "ops", "timeseries", [
+        ("sum by (role, path) (rate(specdec_server_forwards_total[$__rate_interval]))",
+         "{{role}} {{path}}")],
+     "Model forwards per second by how they ran. On a GPU every decode, verify and prompt-chunk step "
+     "within the graph buckets replays a CUDA graph; an eager forward (a chunk over the largest "
+     "prefill length, a batch over the largest bucket) costs milliseconds of launches for the "
+     "whole step. On the CPU every forward is eager."),
     ("RPC time p90", "s", "timeseries", [
         (quantile(0.9, "specdec_rpc_seconds", "role, rpc"), "{{role}} {{rpc}}")],
      "Coordinator round trips against the servers' own handling time of the same RPCs."),

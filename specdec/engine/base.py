@@ -106,6 +106,11 @@ class ModelEngine:
         """Forwards served by a CUDA graph so far (0 without graphs)."""
         return self.runner.graphs.replays if self.runner.graphs is not None else 0
 
+    @property
+    def eager_forwards(self) -> int:
+        """Forwards run op by op so far (warm-up included): on a GPU, steps no graph bucket fits."""
+        return self.runner.eager_forwards
+
     def _num_blocks(self, model) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:

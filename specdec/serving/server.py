@@ -74,6 +74,7 @@ class EngineRuntime:
         blocks = self.engine.runner.blocks
         self.metrics.set_kv(used=blocks.num_blocks - blocks.num_free, free=blocks.num_free)
         self.metrics.set_running(self.engine.num_sequences())
+        self.metrics.set_forwards(graph=self.engine.graph_replays, eager=self.engine.eager_forwards)
 
     async def call(self, fn: Callable, *args, inline: bool = False):
         """fn(*args) once no other engine call runs: on the executor thread, or with `inline` on

@@ -172,6 +172,9 @@ def test_scrapes_reach_every_process_and_counters_add_up(loaded):
         phases = {r["metric"]["phase"] for r in prom.query(
             f'specdec_forward_seconds_count{{role="{role}"}} > 0')}
         assert phases == ({"prefill", "decode"} if role == "draft" else {"prefill", "decode", "verify"})
+        # CPU servers run every forward eagerly (warm-up included); no graph replays
+        assert prom.values(f'specdec_server_forwards_total{{role="{role}",path="eager"}}')[0] > 0
+        assert prom.values(f'specdec_server_forwards_total{{role="{role}",path="graph"}}') == [0.0]
     alpha = prom.values("specdec_alpha")[0]
     ratio = prom.values("specdec_acceptance_ratio")[0]
     assert 0.0 < ratio <= alpha < 1.0  # accepted/drafted counts untested tokens as failures

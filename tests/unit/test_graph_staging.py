@@ -288,19 +288,19 @@ def test_steps_beyond_the_prefill_buckets_run_eagerly(prefill_runners):
     cases = [[SeqInput(0, list(range(17)))],                                   # chunk over 16
              [SeqInput(1, list(range(16))), SeqInput(2, list(range(16)))]]      # 32 tokens > 16 + 4
     for items in cases:
-        before = graphed.graphs.replays
+        before, eager_before = graphed.graphs.replays, graphed.eager_forwards
         for w, g in zip(eager.step(items), graphed.step(items)):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-        assert graphed.graphs.replays == before
+        assert graphed.graphs.replays == before and graphed.eager_forwards == eager_before + 1
     # Two chunks that fit together (12 + 4 <= 16 + 4 tokens, 2 sequences) do replay.
     for r in (eager, graphed):
         r.add_sequence(7)
         r.add_sequence(8)
     items = [SeqInput(7, list(range(12))), SeqInput(8, list(range(4)), 4)]
-    before = graphed.graphs.replays
+    before, eager_before = graphed.graphs.replays, graphed.eager_forwards
     for w, g in zip(eager.step(items), graphed.step(items)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-    assert graphed.graphs.replays == before + 1
+    assert graphed.graphs.replays == before + 1 and graphed.eager_forwards == eager_before
 
 
 @pytest.fixture

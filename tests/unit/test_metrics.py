@@ -281,6 +281,8 @@ def test_server_metrics_forward_profile_and_kv():
     sm.observe_forward("verify", 2, 0.5)
     sm.observe_forward("prefill", 1, 0.5)
     sm.set_kv(used=10, free=90)
+    sm.set_forwards(graph=5, eager=2)
+    sm.set_forwards(graph=7, eager=2)   # running totals: the counters move by the difference
     sm.set_running(3)
     sm.observe_rpc("Verify", 0.01)
     sm.count_error("INVALID_ARGUMENT")
@@ -293,6 +295,8 @@ def test_server_metrics_forward_profile_and_kv():
     assert value(s, "specdec_forward_seconds_count", role="target", phase="prefill") == 1
     assert value(s, "specdec_kv_blocks_used", role="target") == 10
     assert value(s, "specdec_kv_blocks_free", role="target") == 90
+    assert value(s, "specdec_server_forwards_total", role="target", path="graph") == 7
+    assert value(s, "specdec_server_forwards_total", role="target", path="eager") == 2
     assert value(s, "specdec_running_sequences", role="target") == 3
     assert value(s, "specdec_rpc_seconds_count", role="target", rpc="Verify") == 1
     assert value(s, "specdec_errors_total", role="target", code="INVALID_ARGUMENT") == 1
