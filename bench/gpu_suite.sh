@@ -4,7 +4,7 @@
 # the device returns a bounded number of files.
 #   bash bench/gpu_suite.sh STAGE...
 # Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-profile
-#         (profiles.tgz), serving, attention, decode, cost, gemv. Suggested calls (each < 10 min):
+#         (profiles.tgz), serving, attention, decode, cost, gemv, anatomy. Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~200 s
 #   bash bench/gpu_suite.sh tests-attention       # ~300 s
 #   bash bench/gpu_suite.sh e2e numerics          # ~300 s
@@ -57,6 +57,7 @@ for s in "$@"; do
     decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf; keep decode.json ;;
     cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf; keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;
+    anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py; keep anatomy.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
