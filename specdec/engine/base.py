@@ -273,8 +273,9 @@ class ModelEngine:
         """One untimed prefill forward per (batch, prompt length) that fits max_model_len and the
         free KV; returns the (batch, length) pairs run. They run eagerly even where a prefill graph
         fits (its capture compiled the graph's variants; eager steps beyond the buckets, such as
-        several prompts joining at once, need their own), and the attention kernel's compiled variant depends on the query length (tile_config: BLOCK_M/BLOCK_N, warps,
-        stages), on batch and context (the split-KV count) and on the block-table width (Triton
+        several prompts joining at once, need their own), and the attention kernel's compiled
+        variant depends on the query length (tile_config: BLOCK_M/BLOCK_N, warps, stages), on
+        batch and context (the split-KV count) and on the block-table width (Triton
         specialises on it); the fused kernels compile on first use too. Without this the first
         requests of each shape paid the compiles: TTFT p99 ~1 s at low load on the H200 while p50
         was 22-44 ms."""

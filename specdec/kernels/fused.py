@@ -15,11 +15,11 @@ rounds once per output (half an ulp of the exact rotation, where torch's path is
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from specdec.kernels import pdl
+from specdec.models.llama import TorchLayerOps
 
 
 @triton.jit
@@ -200,10 +200,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class FusedLayerOps:
-    """The decoder layer's elementwise steps on the kernels above (see TorchLayerOps in
-    models/llama.py for the contract). The KV store is part of rope_store, so the attention
-    backend's own store is not called: both write the KVCache layout [blocks, block_size, Hkv, D]."""
+class FusedLayerOps(TorchLayerOps):
+    """The decoder layer's elementwise steps on the kernels above (TorchLayerOps in models/llama.py
+    is the contract; linear and gate_up_silu, built on linear and silu_mul, are its own). The KV
+    store is part of rope_store, so the attention backend's own store is not called: both write the
+    KVCache layout [blocks, block_size, Hkv, D]."""
 
     name = "fused"
 
@@ -223,11 +224,3 @@ class FusedLayerOps:
     @staticmethod
     def silu_mul(gate_up):
         return silu_mul(gate_up)
-
-    @staticmethod
-    def linear(x, weight, bias=None):
-        return F.linear(x, weight, bias)
-
-    @classmethod
-    def gate_up_silu(cls, x, weight, bias=None):
-        return cls.silu_mul(cls.linear(x, weight, bias))
