@@ -121,6 +121,8 @@ class Sequence:
 
     def emit(self, tokens: list[int]) -> Chunk:
         """Appends a step's tokens up to the first stop condition (later ones are dropped)."""
+        if not self._stops.active:
+            return self._emit_ids(tokens)
         p = self.params
         text, taken, finish, matched = [], [], None, False
         for tok in tokens:
@@ -146,6 +148,30 @@ class Sequence:
             else:
                 text.append(self._stops.flush())
         return Chunk("".join(text), taken, finish)
+
+    def _emit_ids(self, tokens: list[int]) -> Chunk:
+        """emit() without stop strings: every stop condition is a token's, so the step's tokens
+        are cut first and detokenized together (two tokenizer calls a step, not two a token)."""
+        p = self.params
+        budget = self.remaining
+        finish = None
+        n = len(tokens)
+        for i, tok in enumerate(tokens):
+            if tok in p.stop_token_ids:
+                finish = Finish.STOP
+            elif tok in p.eos_token_ids:
+                finish = Finish.EOS
+            elif i + 1 >= budget:
+                finish = Finish.LENGTH
+            if finish is not None:
+                n = i + 1
+                break
+        taken = list(tokens[:n])
+        self.output.extend(taken)
+        text = self._detok.push_many(taken)
+        if finish is not None:
+            text += self._detok.flush()
+        return Chunk(text, taken, finish)
 
     def draft_proposed(self) -> None:
         """The draft accepted this step's keep and pending and drafted on them: until the verdict

@@ -12,6 +12,11 @@ class StopStrings:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string matched). After a match the text is
         everything before the earliest match and the rest is dropped."""

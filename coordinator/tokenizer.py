@@ -68,6 +68,20 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         return self._advance(final=False)
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """push() of each token, joined, with two decodes instead of two per token where the
+        tokens end on a complete character (the usual case). Otherwise (the last one ends mid-
+        character, or decodes to nothing) token by token, so the complete part still goes out
+        now and only the incomplete tail is held, as push() would."""
+        if len(token_ids) > 1:
+            before = self._tok.decode(self._ids[self._prefix:self._read])
+            now = self._tok.decode(self._ids[self._prefix:] + token_ids)
+            if len(now) > len(before) and not now.endswith(REPLACEMENT):
+                self._ids.extend(token_ids)
+                self._prefix, self._read = self._read, len(self._ids)
+                return now[len(before):]
+        return "".join(self.push(t) for t in token_ids)
+
     def flush(self) -> str:
         """At the end of the stream: whatever is still held, incomplete characters included."""
         return self._advance(final=True)

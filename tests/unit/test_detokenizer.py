@@ -124,3 +124,53 @@ def test_emit_model_length_limit(tok):
     seq.max_len = len(seq.params.prompt_ids) + 2
     assert seq.emit(tok.encode("abcdef")).finish == Finish.LENGTH
     assert len(seq.output) == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_push_many_gives_the_deltas_of_pushing_token_by_token(tok, seed):
+    """Steps hand the detokenizer several tokens at once (push_many: two decodes a step). Split
+    into random steps, the text must be the token-by-token stream's: the same total, and at the
+    end of each step the same text out so far (a step ending mid-character holds only that tail;
+    a step of invalid bytes or special ids still lets the complete text before them out)."""
+    rng = random.Random(seed)
+    text = rng.choice(TEXTS) + rng.choice(TEXTS)
+    ids = tok.encode(text)
+    ids[rng.randrange(len(ids)):] = ids[rng.randrange(len(ids)):]  # some odd joins
+    ids.insert(rng.randrange(len(ids)), tok.encode("😀")[0])      # a lead byte that never completes
+    ids.insert(rng.randrange(len(ids)), 0)                         # a special token
+    prompt = tok.encode("prompt: ")
+    one, many = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+    out_one, out_many, i = "", "", 0
+    while i < len(ids):
+        step = ids[i:i + rng.randint(1, 9)]
+        i += len(step)
+        out_one += "".join(one.push(t) for t in step)
+        out_many += many.push_many(step)
+        assert out_many == out_one, (step, out_one, out_many)
+    # (Not always tok.decode(ids): the lone lead byte's replacement characters group differently.)
+    assert out_many + many.flush() == out_one + one.flush()
+
+
+@pytest.mark.parametrize("case", ["stop_id", "eos", "length", "model_length", "none"])
+def test_emit_without_stop_strings_matches_the_token_by_token_path(tok, case):
+    """emit() cuts by ids and detokenizes a step at once when there are no stop strings; an
+    inactive stop string (one the text never contains) forces the token-by-token path, which
+    must end the same way with the same text."""
+    ids = tok.encode("héllo wörld 😀 ab") + tok.encode(" more text")
+    kw = {"stop_id": dict(stop_token_ids=frozenset({ids[5]})), "eos": dict(eos_token_ids=frozenset({ids[7]})),
+          "length": dict(max_new_tokens=9), "model_length": {}, "none": {}}[case]
+    fast, slow = make_seq(tok, **kw), make_seq(tok, stop=("\x00never",), **kw)
+    if case == "model_length":
+        fast.max_len = slow.max_len = len(fast.params.prompt_ids) + 6
+    assert not fast._stops.active and slow._stops.active
+    steps, i = [], 0
+    while i < len(ids):
+        steps.append(ids[i:i + 4])
+        i += 4
+    for step in steps:
+        a, b = fast.emit(step), slow.emit(step)
+        assert (a.text, a.token_ids, a.finish) == (b.text, b.token_ids, b.finish)
+        if a.finish is not None:
+            break
+    assert fast.output == slow.output
+    assert (a.finish is None) == (case == "none")
