@@ -186,8 +186,11 @@ class ModelRunner:
 
     def step(self, items: Sequence[SeqInput], graphs: bool = True) -> list[torch.Tensor]:
         """prepare + forward; returns each item's logits [num_logits, V] (float32)."""
-        logits = self.forward(self.prepare(items, graphs))
-        return list(logits.split([i.num_logits for i in items]))
+        return list(self.step_flat(items, graphs).split([i.num_logits for i in items]))
+
+    def step_flat(self, items: Sequence[SeqInput], graphs: bool = True) -> torch.Tensor:
+        """step's logits as one [sum(num_logits), V] tensor, the items' rows in order."""
+        return self.forward(self.prepare(items, graphs))
 
     def _reserve_check(self, items: Sequence[SeqInput]) -> None:
         seen = set()

@@ -10,7 +10,7 @@ import torch
 
 from specdec.runner import SeqInput
 from specdec.sampling.probs import SamplingTensors
-from specdec.sampling.rejection import greedy_accept, one_hot_probs, rejection_sample
+from specdec.sampling.rejection import greedy_accept_rows, one_hot_probs, rejection_sample
 from specdec.staging import as_device_tensor, to_device
 from specdec.engine.base import Admission, ModelEngine
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
@@ -105,24 +105,26 @@ class TargetEngine(ModelEngine):
         items = [SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens), p.num_logits)
                  for p in plans]
         with clock.forward():
-            logits = self.runner.step(items)
+            # [sum(k+1), V]: the scored plans' rows in order (the others have none)
+            flat_logits = self.runner.step_flat(items)
         scored = [i for i, p in enumerate(plans) if p.num_logits]
         results = [(0, -1)] * len(plans)
         if not scored:
             return results
         sp = [plans[i] for i in scored]
+        if all(p.seq.sampling.greedy for p in sp):
+            # rejection_sample's all-greedy result: the argmax of every row, compared with the
+            # drafts on the host (no sampling parameters, draft rows or layout to stage).
+            best = flat_logits.argmax(-1).tolist()
+            for i, r in zip(scored, greedy_accept_rows(best, [p.seq.draft_tokens for p in sp])):
+                results[i] = r
+            return results
         counts = [len(p.seq.draft_tokens) for p in sp]
-        flat_logits = torch.cat([logits[i] for i in scored])                  # [sum(k+1), V]
         drafts = [t for p in sp for t in p.seq.draft_tokens]
         draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
-        if all(p.seq.sampling.greedy for p in sp):
-            # rejection_sample's all-greedy result, without staging sampling parameters (three
-            # pinned host-to-device copies) or draft rows (greedy drafts need none).
-            out = greedy_accept(flat_logits, draft_tokens, counts).to_host()
-        else:
-            out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
-                                   SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
-                                   [p.first_draft_position for p in sp]).to_host()
+        out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
+                               SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
+                               [p.first_draft_position for p in sp]).to_host()
         for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
             results[i] = (accepted, tokens[-1])
         return results

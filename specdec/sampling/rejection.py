@@ -90,6 +90,24 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, count
     return SpecOutput(accepted=accepted, tokens=tokens, num_emitted=accepted + 1)
 
 
+def greedy_accept_rows(best: Sequence[int], drafts: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """greedy_accept on the host, from the target's argmax of every row (per sequence: its k
+    drafts' rows, then the bonus row, in order): (accepted, next token) per sequence. For a batch
+    that is all greedy this is the whole rule, and one argmax plus one small copy replace the
+    dozen launches and two host-to-device copies of greedy_accept."""
+    need = sum(len(d) + 1 for d in drafts)
+    if need != len(best):
+        raise ValueError(f"drafts {[len(d) for d in drafts]} need {need} target rows, got {len(best)}")
+    out, row = [], 0
+    for d in drafts:
+        a = 0
+        while a < len(d) and d[a] == best[row + a]:
+            a += 1
+        out.append((a, best[row + a]))
+        row += len(d) + 1
+    return out
+
+
 def _layout(counts: Sequence[int], n: int, m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     """Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
     copied in one staged transfer: columns k, p_start, q_start, then kmax+1 target rows (the

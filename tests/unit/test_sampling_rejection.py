@@ -239,6 +239,15 @@ def test_all_greedy_shortcut_equals_the_general_path(ties):
     general = rejection_sample_probs(logits_to_probs(logits, t.repeat([k + 1 for k in counts])), drafts, None,
                                      counts, t.seeds, positions).to_host()
     assert fast == general
+    # The target engine's host form of the same rule (argmax rows, then a compare per sequence).
+    per_seq, q0 = [], 0
+    for k in counts:
+        per_seq.append(drafts[q0:q0 + k].tolist())
+        q0 += k
+    host = rejection.greedy_accept_rows(best.tolist(), per_seq)
+    assert host == [(a, toks[-1]) for a, toks in zip(fast.accepted, fast.tokens)]
+    with pytest.raises(ValueError, match="target rows"):
+        rejection.greedy_accept_rows(best.tolist()[:-1], per_seq)
     assert sorted(set(fast.accepted)) == sorted(set(fast.accepted) | {0, 4}) and len(set(fast.accepted)) >= 3
     t = tensors_for(SamplingParams(), len(logits))
     tok, q = draft_sample(logits, t, torch.arange(len(logits)))
