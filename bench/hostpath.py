@@ -1,0 +1,245 @@
+"""Where a step's host time outside the forwards goes: the layers of one RPC, measured apart.
+
+    python3 bench/hostpath.py [--batches 1 8] [--steps 400]
+
+e2e.py reports "transport" per step: the coordinator's step time minus both servers' step_seconds
+(1.4-2.3 ms per speculative step on the H200 host, session 5). This splits it, on the host alone
+(no GPU is used, so the figures are the host CPU's):
+- bare: a bidi gRPC round trip with the step messages of a batch, to an echo servicer in another
+  process (grpc.aio on both sides, nothing of ours): the floor of one RPC;
+- server: a round trip to a real target server (tiny random model on the CPU) through the
+  coordinator's ModelServer, minus the step_seconds the server reports: what our server stack
+  (interceptor, runtime, conversion, response) and client wrapper add to the bare round trip;
+  and the server's host time inside the step (step_seconds minus its forward seconds);
+- loop: the coordinator's step loop (SpecLoop) against in-process servers that answer at once
+  (every draft accepted), with a task draining each sequence's queue as a client stream would:
+  the coordinator's own Python per step (planning, requests, applying results, emission,
+  statistics).
+Medians over --steps steps after a warm-up. Writes bench/results/hostpath.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, environment, table, write_result
+
+import grpc  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from coordinator.config import CoordinatorConfig  # noqa: E402
+from coordinator.launch import free_port, spawn_server, stop_all, wait_healthy  # noqa: E402
+from coordinator.scheduler import KVCapacity, Scheduler  # noqa: E402
+from coordinator.sequence import GenParams, Sampling, Sequence  # noqa: E402
+from coordinator.servers import ModelServer  # noqa: E402
+from coordinator.spec_loop import SpecLoop  # noqa: E402
+from coordinator.tokenizer import TextTokenizer  # noqa: E402
+from protos import specdec_pb2 as pb  # noqa: E402
+from protos import specdec_pb2_grpc as pb_grpc  # noqa: E402
+from protos.wire import pack_ids  # noqa: E402
+from specdec.metrics import CoordinatorMetrics  # noqa: E402
+
+WARMUP = 50
+GAP_S = 0.003  # between two steps of one server (see server_rtt)
+GAMMA = 4
+TOKEN = 1000  # what the in-process servers draft and emit: a whole word of the demo tokenizer, no EOS
+TINY_TARGET = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192,
+                   hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def median_us(samples: list[float]) -> float:
+    return statistics.median(samples[WARMUP:] if len(samples) > 2 * WARMUP else samples) * 1e6
+
+
+def verify_request(step: int, batch: int, first: bool = False, prompt: int = 1) -> pb.VerifyRequest:
+    req = pb.VerifyRequest(step=step)
+    for j in range(batch):
+        req.seqs.add(seq_id=j, new_tokens=pack_ids([TOKEN] * prompt), first=first,
+                     draft_tokens=b"" if first else pack_ids([TOKEN] * GAMMA), sampling=pb.SamplingParams())
+    return req
+
+
+# --- bare gRPC ----------------------------------------------------------------------------------
+class Echo(pb_grpc.TargetServicer):
+    async def Verify(self, request_iterator, context):
+        async for req in request_iterator:
+            r = pb.VerifyResponse(step=req.step)
+            for s in req.seqs:
+                r.results.add(seq_id=s.seq_id, accepted=GAMMA, next_token=TOKEN)
+            yield r
+
+
+async def spin() -> None:
+    """Keeps the event loop from sleeping in epoll: every iteration polls with a zero timeout."""
+    while True:
+        await asyncio.sleep(0)
+
+
+async def serve_echo(port: int, spinning: bool = False) -> None:
+    if spinning:
+        asyncio.get_running_loop().create_task(spin())
+    server = grpc.aio.server()
+    pb_grpc.add_TargetServicer_to_server(Echo(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def bare_rtt(address: str, batch: int, steps: int, spinning: bool = False) -> float:
+    spinner = asyncio.get_running_loop().create_task(spin()) if spinning else None
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.TargetStub(channel).Verify()
+        samples = []
+        for i in range(steps):
+            req = verify_request(i, batch)
+            await asyncio.sleep(GAP_S)  # idle between steps, as the servers are (see server_rtt)
+            t0 = time.perf_counter()
+            await call.write(req)
+            await call.read()
+            samples.append(time.perf_counter() - t0)
+        call.cancel()
+    if spinner is not None:
+        spinner.cancel()
+    return median_us(samples)
+
+
+# --- the real target server ---------------------------------------------------------------------
+async def server_rtt(address: str, batch: int, steps: int) -> dict:
+    server = ModelServer("target", address)
+    await server.step(verify_request(1, batch, first=True, prompt=4), timeout=30)
+    rtt, step_s, host_s = [], [], []
+    for i in range(steps):
+        req = verify_request(i + 2, batch)
+        # The coordinator works between two steps of one server (the other server's step): the
+        # server's after-answer accounting is done by then, as in service.
+        await asyncio.sleep(GAP_S)
+        t0 = time.perf_counter()
+        r = await server.step(req, timeout=30)
+        rtt.append(time.perf_counter() - t0)
+        step_s.append(r.timing.step_seconds)
+        host_s.append(r.timing.step_seconds - r.timing.forward_seconds)
+        # Keep the sequences short: drop the accepted tokens again by releasing and restarting
+        # them every 100 steps (a 4096-token limit otherwise ends the run).
+        if i % 100 == 99:
+            await server.release(range(batch))
+            await server.step(verify_request(0, batch, first=True, prompt=4), timeout=30)
+    await server.release(range(batch))
+    await server.close()
+    return {"server_rtt_us": median_us(rtt), "server_step_us": median_us(step_s),
+            "server_outside_us": median_us([a - b for a, b in zip(rtt, step_s)]),
+            "server_host_us": median_us(host_s)}
+
+
+# --- the coordinator's loop ---------------------------------------------------------------------
+class InstantServer:
+    """Answers every step at once: the draft proposes TOKEN x num_draft, the target accepts all."""
+
+    def __init__(self, role: str):
+        self.role = role
+
+    async def step(self, request, timeout=None):
+        await asyncio.sleep(0)  # a real call suspends: the client streams drain meanwhile
+        if self.role == "draft":
+            r = pb.ProposeResponse(step=request.step)
+            for s in request.seqs:
+                r.results.add(seq_id=s.seq_id, tokens=pack_ids([TOKEN] * s.num_draft))
+            return r
+        r = pb.VerifyResponse(step=request.step)
+        for s in request.seqs:
+            r.results.add(seq_id=s.seq_id, accepted=len(s.draft_tokens) // 4, next_token=TOKEN)
+        return r
+
+    async def release(self, seq_ids, timeout: float = 5.0):
+        return pb.ReleaseResponse()
+
+    def reset(self) -> None:
+        pass
+
+
+async def loop_step_us(batch: int, steps: int) -> float:
+    tok = TextTokenizer(ROOT / "models" / "target")
+    sched = Scheduler(batch, batch, KVCapacity("target", 100_000, 16), KVCapacity("draft", 100_000, 16))
+    config = CoordinatorConfig(target="-", draft="-", num_draft=GAMMA)
+    loop = SpecLoop(config, sched, InstantServer("target"), InstantServer("draft"),
+                    CoordinatorMetrics(CollectorRegistry(), max_positions=8), vocab_size=tok.vocab_size,
+                    draft_max_len=1 << 20)
+    new = (steps + WARMUP) * (GAMMA + 1)
+    seqs = [Sequence(seq_id=i, params=GenParams(request_id=str(i), prompt_ids=(1, 2, 3), max_new_tokens=new,
+                                                sampling=Sampling()), max_len=1 << 20, tokenizer=tok)
+            for i in range(batch)]
+    for s in seqs:
+        sched.submit(s)
+    stamps: list[float] = []
+
+    async def client(seq: Sequence) -> None:
+        while True:
+            chunk = await seq.queue.get()
+            if seq is seqs[0]:
+                stamps.append(time.perf_counter())
+            if getattr(chunk, "finish", None) is not None:
+                return
+
+    task = asyncio.create_task(loop.run())
+    await asyncio.gather(*(client(s) for s in seqs))
+    task.cancel()
+    return median_us([b - a for a, b in zip(stamps, stamps[1:])])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--serve-echo", type=int, help=argparse.SUPPRESS)  # the bare echo process
+    ap.add_argument("--spinning", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve_echo:
+        asyncio.run(serve_echo(a.serve_echo, a.spinning))
+        return 0
+    steps = a.steps + WARMUP
+    work = Path(tempfile.mkdtemp(prefix="hostpath-"))
+    port = free_port()
+    import subprocess
+    echo = subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port)])
+    spin_port = free_port()  # the same echo with both event loops spinning instead of sleeping
+    spinning_echo = subprocess.Popen([sys.executable, __file__, "--serve-echo", str(spin_port), "--spinning"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    from services import write_shape_folder
+    folder = write_shape_folder(work / "tiny", TINY_TARGET, dtype="float32")
+    target = spawn_server("target", folder, work, args=["--random-weights", "--max-model-len", "4096"])
+    rows = []
+    try:
+        wait_healthy(target, 120)
+        for b in a.batches:
+            row = {"batch": b, "bare_rtt_us": asyncio.run(bare_rtt(f"127.0.0.1:{port}", b, steps)),
+                   "bare_rtt_spinning_us": asyncio.run(bare_rtt(f"127.0.0.1:{spin_port}", b, steps, True))}
+            row.update(asyncio.run(server_rtt(target.address, b, steps)))
+            row["stack_over_bare_us"] = row["server_outside_us"] - row["bare_rtt_us"]
+            row["loop_step_us"] = asyncio.run(loop_step_us(b, steps))
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        stop_all([target])
+        echo.terminate()
+        spinning_echo.terminate()
+    result = {"benchmark": "hostpath", "environment": environment(), "gamma": GAMMA, "steps": a.steps,
+              "rows": rows}
+    path = write_result("hostpath", result)
+    print(table(rows, [("batch", "batch", "d"), ("bare_rtt_us", "bare gRPC RTT us", ".0f"),
+                       ("bare_rtt_spinning_us", "spinning loops us", ".0f"),
+                       ("server_outside_us", "server RTT - step us", ".0f"),
+                       ("stack_over_bare_us", "our stack over bare us", ".0f"),
+                       ("server_host_us", "server host in step us", ".0f"),
+                       ("loop_step_us", "coordinator loop us/step", ".0f")]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
