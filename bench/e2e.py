@@ -83,15 +83,17 @@ def server_args(a) -> list[str]:
     if a.device == "cuda":
         # Two servers share a GPU: a fixed KV size each (the default takes 85% of what is free).
         args += ["--kv-memory", a.kv_memory,
-                 "--graph-batch-sizes", ",".join(str(b) for b in (1, 2, 4, 8, 16, 32) if b <= max(a.batches))]
+                 "--graph-batch-sizes", ",".join(str(b) for b in (1, 2, 4, 8, 16, 32) if b <= max(a.batches)),
+                 "--busy-poll-ms", str(a.busy_poll_ms)]
     return args
 
 
 def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: Path) -> list[dict]:
     """One coordinator over running servers: per batch size a plain and a speculative pass."""
     rows = []
+    poll = ["--busy-poll-ms", str(a.busy_poll_ms)] if gpus and a.busy_poll_ms else []
     with coordinator(target, draft, log_dir, ["--max-batch-size", str(max(batches)),
-                                               "--num-draft", str(a.gamma)]) as coord:
+                                               "--num-draft", str(a.gamma), *poll]) as coord:
         used = prompts[:max(b * a.waves for b in batches)]
         # Warm-up over every prompt: eager prefill shapes compile their Triton kernels here. Then
         # both modes at the largest batch for two waves, so that steps mixing a joining request's
@@ -290,6 +292,11 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, help="tokens per request (default 64; smoke 16)")
     p.add_argument("--waves", type=int, default=3, help="requests per client and measurement")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--busy-poll-ms", type=float, default=20.0,
+                   help="--busy-poll-ms of the servers and the coordinator on cuda (0: all off); CPU "
+                        "runs never poll")
+    p.add_argument("--drafts", nargs="+", choices=SEVEN_B_DRAFTS,
+                   help="draft shapes of the 7B sections (default: all three; --quick: the 68m)")
     p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu 7b-2gpu hf-7b")
     p.add_argument("--kv-memory", default="4GiB", help="KV cache of each server on cuda")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -333,7 +340,8 @@ def main(argv=None) -> int:
             target_shape, draft_shapes = TINY["target"], [("tiny-draft", TINY["draft"])]
         else:
             target_shape = "llama-7b"
-            draft_shapes = [(s, s) for s in (SEVEN_B_DRAFTS[:1] if a.quick else SEVEN_B_DRAFTS)]
+            names = a.drafts or (SEVEN_B_DRAFTS[:1] if a.quick else SEVEN_B_DRAFTS)
+            draft_shapes = [(s, s) for s in names]
         dt = str(dtype).removeprefix("torch.")
         return (write_shape_folder(work / "shapes" / "target", target_shape, dtype=dt),
                 [(label, write_shape_folder(work / "shapes" / label, shape, dtype=dt))
@@ -383,7 +391,8 @@ def main(argv=None) -> int:
                            "batches": a.batches, "batches_7b": a.batches_7b, "smoke": a.smoke,
                            "quick": a.quick, "deadline_s": a.deadline, "sampling": "greedy",
                            "random_agreement_7b": a.agreement if a.agreement >= 0 else None,
-                           "dtype": str(dtype).removeprefix("torch.")},
+                           "dtype": str(dtype).removeprefix("torch."),
+                           "busy_poll_ms": a.busy_poll_ms if a.device == "cuda" else 0},
               "rows": rows, "hf": hf_rows, "skipped": skipped,
               "elapsed_s": a.deadline - clock.left(), "work_dir": str(work)}
     path = write_result("e2e_smoke" if a.smoke else "e2e", result)

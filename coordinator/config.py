@@ -30,6 +30,7 @@ class CoordinatorConfig:
     draft_timeout_s: float = 30.0     # a draft step slower than this counts as the draft failing
     draft_retry_s: float = 5.0        # how often a lost draft server is tried again
     grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long
+    busy_poll_ms: float = 0.0         # the loop polls instead of sleeping this long after each step
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -49,6 +50,8 @@ class CoordinatorConfig:
             raise ConfigError(f"num_draft must be in 0..max_num_draft ({self.max_num_draft}), got {self.num_draft}")
         if self.gamma_policy not in GAMMA_POLICIES:
             raise ConfigError(f"gamma_policy: expected one of {GAMMA_POLICIES}, got {self.gamma_policy!r}")
+        if self.busy_poll_ms < 0:
+            raise ConfigError(f"busy_poll_ms must be >= 0, got {self.busy_poll_ms}")
         for name in ("connect_timeout_s", "target_timeout_s", "draft_timeout_s", "draft_retry_s", "grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -36,6 +36,7 @@ from coordinator.sequence import Abort, Sequence
 from coordinator.servers import ModelServer, status_from_code
 from protos import specdec_pb2 as pb
 from protos.wire import pack_ids
+from specdec.busy_poll import BusyPoll
 from specdec.cost_model import WindowStats, bucket_for
 from specdec.metrics import CoordinatorMetrics
 
@@ -82,6 +83,7 @@ class SpecLoop:
         self._policy_inputs: tuple[float | None, float | None] = (None, None)  # (α, c) of this step
         self.draft_orphans: set[int] = set()  # to release on the draft once it is reachable again
         self._release_retry_s = RELEASE_RETRY_S[0]
+        self.busy_poll = BusyPoll(config.busy_poll_ms / 1e3)  # specdec/busy_poll.py
 
     # --- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -162,6 +164,7 @@ class SpecLoop:
 
     async def _step(self, seqs: list[Sequence], started: float) -> None:
         self._step_no += 1
+        self.busy_poll.kick()
         if self.config.gamma_policy == "auto":
             stats = self.metrics.stats
             window = stats.window()

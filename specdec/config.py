@@ -250,8 +250,13 @@ class ServerConfig:
     port: int = 50051
     grace_seconds: float = 5.0  # in-flight steps may finish this long after SIGTERM
     torch_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    # After each step the event loop polls instead of sleeping for this long (specdec/busy_poll.py);
+    # None: 20 ms on cuda, 0 (off) on cpu, where the cores are the forward's.
+    busy_poll_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.busy_poll_ms is not None and self.busy_poll_ms < 0:
+            raise ConfigError(f"busy_poll_ms must be >= 0, got {self.busy_poll_ms}")
         if self.role not in ("draft", "target"):
             raise ConfigError(f"role: expected draft or target, got {self.role!r}")
         if not 0 <= self.port < 65536:
@@ -264,3 +269,9 @@ class ServerConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def busy_poll_s(self) -> float:
+        if self.busy_poll_ms is None:
+            return 0.02 if self.engine.device.startswith("cuda") else 0.0
+        return self.busy_poll_ms / 1e3

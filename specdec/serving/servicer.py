@@ -45,6 +45,7 @@ class ModelServicer:
             response, decode_seconds = await runtime.call(self._timed_step, request, received,
                                                           inline=runs_inline(request))
             self._count(response)
+            runtime.busy_poll.kick()
             try:
                 yield response
             finally:
