@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from common import ROOT, environment, table, write_result
+from services import write_shape_folder
 
 import grpc  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
@@ -205,12 +207,9 @@ def main() -> int:
     steps = a.steps + WARMUP
     work = Path(tempfile.mkdtemp(prefix="hostpath-"))
     port = free_port()
-    import subprocess
     echo = subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port)])
     spin_port = free_port()  # the same echo with both event loops spinning instead of sleeping
     spinning_echo = subprocess.Popen([sys.executable, __file__, "--serve-echo", str(spin_port), "--spinning"])
-    sys.path.insert(0, str(ROOT / "bench"))
-    from services import write_shape_folder
     folder = write_shape_folder(work / "tiny", TINY_TARGET, dtype="float32")
     target = spawn_server("target", folder, work, args=["--random-weights", "--max-model-len", "4096"])
     rows = []

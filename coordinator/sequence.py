@@ -123,21 +123,13 @@ class Sequence:
         """Appends a step's tokens up to the first stop condition (later ones are dropped)."""
         if not self._stops.active:
             return self._emit_ids(tokens)
-        p = self.params
         text, taken, finish, matched = [], [], None, False
         for tok in tokens:
             self.output.append(tok)
             taken.append(tok)
             piece, matched = self._stops.feed(self._detok.push(tok))
             text.append(piece)
-            if matched:
-                finish = Finish.STOP
-            elif tok in p.stop_token_ids:
-                finish = Finish.STOP
-            elif tok in p.eos_token_ids:
-                finish = Finish.EOS
-            elif self.remaining <= 0:
-                finish = Finish.LENGTH
+            finish = Finish.STOP if matched else self._token_finish(tok, self.remaining)
             if finish is not None:
                 break
         if finish is not None and not matched:
@@ -149,20 +141,25 @@ class Sequence:
                 text.append(self._stops.flush())
         return Chunk("".join(text), taken, finish)
 
+    def _token_finish(self, tok: int, remaining_after: int) -> Finish | None:
+        """How an emitted token ends the sequence (its id, or the budget left after it), if it does."""
+        p = self.params
+        if tok in p.stop_token_ids:
+            return Finish.STOP
+        if tok in p.eos_token_ids:
+            return Finish.EOS
+        if remaining_after <= 0:
+            return Finish.LENGTH
+        return None
+
     def _emit_ids(self, tokens: list[int]) -> Chunk:
         """emit() without stop strings: every stop condition is a token's, so the step's tokens
         are cut first and detokenized together (two tokenizer calls a step, not two a token)."""
-        p = self.params
         budget = self.remaining
         finish = None
         n = len(tokens)
         for i, tok in enumerate(tokens):
-            if tok in p.stop_token_ids:
-                finish = Finish.STOP
-            elif tok in p.eos_token_ids:
-                finish = Finish.EOS
-            elif i + 1 >= budget:
-                finish = Finish.LENGTH
+            finish = self._token_finish(tok, budget - (i + 1))
             if finish is not None:
                 n = i + 1
                 break
