@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -78,12 +80,62 @@ def environment() -> dict:
     return env
 
 
+FLUSH_BYTES = 512 * 2**20   # what cold_ms reads (or zeroes) between calls: ten times an H200's L2
+
+
+@functools.lru_cache(maxsize=1)
+def _flush_buffer() -> torch.Tensor:
+    return torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+
+
+def cold_ms(fn, warmup: float = 10.0, rep: float = 50.0, flush: str = "read") -> float:
+    """Median device milliseconds of fn() (CUDA events around each call), the L2 emptied before
+    each call; warmup and rep are milliseconds of calls, as in triton.testing.do_bench.
+
+    flush="read" empties the L2 by reading FLUSH_BYTES: the lines left behind are clean, as after
+    the weight reads that come before attention or a GEMV in a forward. flush="write" is what
+    do_bench does (it zeroes a 256 MB buffer): that leaves the L2 full of dirty lines, and the timed
+    call pays for writing them back to HBM while it reads. `flush_cost_us` measures the difference."""
+    buf = _flush_buffer()
+    evict = {"read": buf.sum, "write": buf.zero_}[flush]
+    fn()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(5):
+        evict()
+        fn()
+    t1.record()
+    torch.cuda.synchronize()
+    estimate = t0.elapsed_time(t1) / 5
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    n = max(1, int(rep / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        evict()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def flush_cost_us(nbytes: int = 64 * 2**20) -> dict:
+    """Microseconds of one read of nbytes (a sum) after each flush: what the write flush's dirty
+    lines add to a call that only reads, measured beside the read flush."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    out = {f: 1e3 * cold_ms(x.sum, flush=f) for f in ("read", "write")}
+    out["read_bytes"] = nbytes
+    return out
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     """Bytes/s of a large device-to-device copy, read + write counted: the HBM ceiling we use."""
-    from triton.testing import do_bench
     src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    ms = cold_ms(lambda: dst.copy_(src), warmup=25, rep=200)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)
