@@ -35,6 +35,7 @@ Writes bench/results/e2e.json (and $OUT/e2e.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -48,7 +49,7 @@ from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E40
 from services import (DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
                       run_concurrent, summarize, write_shape_folder)
-from specdec.metrics import STAGES, histogram_mean  # noqa: E402
+from specdec.metrics import STAGES, histogram_mean, sample_total  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
 # Smoke stand-ins for the 7B pair: random weights through the same code path, CPU-sized.
@@ -92,8 +93,15 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
     """One coordinator over running servers: per batch size a plain and a speculative pass."""
     rows = []
     poll = ["--busy-poll-ms", str(a.busy_poll_ms)] if gpus and a.busy_poll_ms else []
-    with coordinator(target, draft, log_dir, ["--max-batch-size", str(max(batches)),
-                                               "--num-draft", str(a.gamma), *poll]) as coord:
+    args = ["--max-batch-size", str(max(batches)), "--num-draft", str(a.gamma), *poll]
+    with contextlib.ExitStack() as stack:
+        coord = stack.enter_context(coordinator(target, draft, log_dir, args))
+        pipe = None
+        if a.pipeline and draft is not None:
+            # A second coordinator with --pipeline over the same servers, idle while the first
+            # runs (and the other way round): the third pass of each batch size.
+            (log_dir / "pipeline").mkdir(parents=True, exist_ok=True)
+            pipe = stack.enter_context(coordinator(target, draft, log_dir / "pipeline", [*args, "--pipeline"]))
         used = prompts[:max(b * a.waves for b in batches)]
         # Warm-up over every prompt: eager prefill shapes compile their Triton kernels here. Then
         # both modes at the largest batch for two waves, so that steps mixing a joining request's
@@ -105,6 +113,9 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             run_concurrent(coord.address, used[:2 * max(batches)], max(batches), max_new_tokens=16,
                            ignore_eos=True, speculate=speculate,
                            **({"num_draft": a.gamma} if speculate else {}))
+        if pipe is not None:
+            run_concurrent(pipe.address, used[:2 * max(batches)], max(batches), max_new_tokens=16,
+                           ignore_eos=True, num_draft=a.gamma)
         tprof, dprof = decode_profile(target), decode_profile(draft)
         for b in batches:
             ps = used[:b * a.waves]
@@ -156,6 +167,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                 r = row["verify_ratio"] = row["target_forward_ms_spec"] / row["target_forward_ms_plain"]
                 if tau and c is not None:
                     row["expected_verify"] = tau / (a.gamma * c + r)
+            if pipe is not None:
+                row.update(pipelined_pass(a, pipe, ps, b, common, plain_recs, plain))
             rows.append(row)
             print(f"{label} gpus={gpus} batch={b}: plain {_f(plain['tok_s'])} tok/s, spec "
                   f"{_f(spec['tok_s'])} tok/s, acceptance {_f(spec['acceptance'], '.3f')}, "
@@ -164,6 +177,27 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                   + (f" ({plain['first_error'] or spec['first_error']})"
                      if plain['errors'] + spec['errors'] else ""), flush=True)
     return rows
+
+
+def pipelined_pass(a, pipe, prompts, b: int, common: dict, plain_recs, plain: dict) -> dict:
+    """The speculative pass again through the --pipeline coordinator: its speed against plain
+    decoding, and how often a step's drafts came from the draft's pipelined extension."""
+    m0 = pipe.metrics()
+    recs, wall = run_concurrent(pipe.address, prompts, b, speculate=True, num_draft=a.gamma, **common)
+    m1 = pipe.metrics()
+    s = summarize(recs, wall)
+    same = [p.tokens == q.tokens for p, q in zip(plain_recs, recs) if p.error is None and q.error is None]
+    hits, spec_steps = (sample_total(m1, name) - sample_total(m0, name)
+                        for name in ("specdec_pipelined_steps_total", "specdec_spec_steps_total"))
+    return {"pipe_tok_s": s["tok_s"],
+            "pipe_speedup": s["tok_s"] / plain["tok_s"] if s["tok_s"] and plain["tok_s"] else None,
+            "pipe_acceptance": s["acceptance"], "pipe_tau": s["tau"],
+            "pipe_greedy_equal": sum(same) / len(same) if same else None,
+            "pipelined_frac": hits / spec_steps if spec_steps else None,
+            "pipe_step_ms": _ms(histogram_mean(m1, "specdec_step_seconds", m0, mode="spec")),
+            **{f"pipe_{stage}_ms": _ms(histogram_mean(m1, "specdec_stage_seconds", m0, stage=stage))
+               for stage in ("propose", "verify", "ahead")},
+            "pipe": s}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -295,6 +329,8 @@ def parse_args(argv=None):
     p.add_argument("--busy-poll-ms", type=float, default=20.0,
                    help="--busy-poll-ms of the servers and the coordinator on cuda (0: all off); CPU "
                         "runs never poll")
+    p.add_argument("--pipeline", action="store_true",
+                   help="also time each speculative pass through a second coordinator with --pipeline")
     p.add_argument("--drafts", nargs="+", choices=SEVEN_B_DRAFTS,
                    help="draft shapes of the 7B sections (default: all three; --quick: the 68m)")
     p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu 7b-2gpu hf-7b")
@@ -392,7 +428,8 @@ def main(argv=None) -> int:
                            "quick": a.quick, "deadline_s": a.deadline, "sampling": "greedy",
                            "random_agreement_7b": a.agreement if a.agreement >= 0 else None,
                            "dtype": str(dtype).removeprefix("torch."),
-                           "busy_poll_ms": a.busy_poll_ms if a.device == "cuda" else 0},
+                           "busy_poll_ms": a.busy_poll_ms if a.device == "cuda" else 0,
+                           "pipeline": a.pipeline},
               "rows": rows, "hf": hf_rows, "skipped": skipped,
               "elapsed_s": a.deadline - clock.left(), "work_dir": str(work)}
     path = write_result("e2e_smoke" if a.smoke else "e2e", result)
@@ -408,6 +445,16 @@ def main(argv=None) -> int:
         ("verify_ms_spec", "verify ms", ".2f"),
         ("overhead_ms_spec", "overhead ms/step", ".3f"), ("overhead_frac_spec", "of step", ".1%"),
         ("hf_plain_tok_s", "HF tok/s", ".0f"), ("hf_assisted_tok_s", "HF assisted tok/s", ".0f")]))
+    if a.pipeline:
+        print("\nthe speculative pass again through a coordinator with --pipeline (same servers, same run)")
+        print(table([r for r in rows if "pipe_tok_s" in r], [
+            ("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d"),
+            ("plain_tok_s", "plain tok/s", ".0f"), ("spec_tok_s", "spec tok/s", ".0f"),
+            ("pipe_tok_s", "pipelined tok/s", ".0f"), ("speedup", "speedup", ".2f"),
+            ("pipe_speedup", "pipelined speedup", ".2f"), ("pipelined_frac", "steps w/o Propose", ".1%"),
+            ("step_ms_spec", "spec step ms", ".2f"), ("pipe_step_ms", "pipelined step ms", ".2f"),
+            ("pipe_propose_ms", "propose ms", ".2f"), ("pipe_ahead_ms", "ahead wait ms", ".2f"),
+            ("pipe_greedy_equal", "greedy ==", ".2f")]))
     print("\nwhere a step's time goes (ms per step: server forward = device time of its forwards, "
           "host = the rest of its handling; transport = RPC + coordinator)")
     print(table([r for r in rows if "skipped" not in r], [

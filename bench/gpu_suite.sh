@@ -7,7 +7,7 @@
 #         (profiles.tgz), serving, attention, decode, cost, gemv, anatomy. Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~200 s
 #   bash bench/gpu_suite.sh tests-attention       # ~300 s
-#   bash bench/gpu_suite.sh e2e numerics          # ~300 s
+#   bash bench/gpu_suite.sh e2e numerics          # ~300 s (E2E_ARGS: more e2e.py arguments)
 #   bash bench/gpu_suite.sh decode cost gemv      # ~90 s, then: attention (~200 s), serving
 # The device image lacks grpcio-health-checking / grpcio-reflection: put their 1.84.0 wheels in
 # .whl (pip download --no-deps --only-binary=:all: -d .whl ...) and carry it; they are installed
@@ -46,7 +46,7 @@ for s in "$@"; do
     tests-attention) run tests-attention "${ATTN_TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
              tests/gpu/test_triton_attention_gpu.py ;;
     numerics) run numerics "${NUMERICS_S:-120}" python3 bench/numerics.py; keep numerics.json ;;
-    e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}"; keep e2e.json ;;
+    e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}" ${E2E_ARGS:-}; keep e2e.json ;;
     e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files)
       rm -rf /tmp/specdec-profiles && mkdir -p /tmp/specdec-profiles
       SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \

@@ -31,6 +31,7 @@ class CoordinatorConfig:
     draft_retry_s: float = 5.0        # how often a lost draft server is tried again
     grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long
     busy_poll_ms: float = 0.0         # the loop polls instead of sleeping this long after each step
+    pipeline: bool = False            # greedy sequences draft their next step while the target verifies
 
     def __post_init__(self) -> None:
         if not self.target:

@@ -3,13 +3,18 @@
 Server bookkeeping (the step protocol of DESIGN section 2):
 - target: `target_pending` are the tokens the target has not seen — the prompt (fed in chunks when
   long) and afterwards the one token it emitted last step, which it samples but does not feed.
-- draft: `draft_pending` accumulates everything the draft has not seen and `draft_keep` is how many
-  of its last proposal survived. After a step that drafted k and accepted a (next token t) that is
-  keep = a, pending = [t]; when a == k the k-th draft was never fed to the draft's KV, and the
-  draft server itself feeds it (it remembers its proposal: specdec/engine/draft.py truncates to
-  `tokens before the proposal + keep` and feeds whatever its KV lacks). A step without the draft
-  leaves keep alone and appends the emitted tokens to pending, so the draft catches up on its next
-  proposal in one forward.
+- draft: the server holds confirmed tokens and, after them, its proposal (`draft_prop`: what it
+  drafted and the target has not confirmed yet). Of the proposal, the first `draft_keep` tokens
+  were confirmed since, and `draft_pending` are confirmed tokens after those that the draft has not
+  seen. Each emitted token extends the kept prefix while it equals the next proposed token and
+  goes to pending otherwise (draft_confirm). So after a step that drafted k and accepted a (next
+  token t) keep = a and pending = [t]; when a == k the k-th draft was never fed to the draft's KV,
+  and the draft server itself feeds it (it remembers its proposal: specdec/engine/draft.py
+  truncates to `confirmed tokens + keep` and feeds whatever its KV lacks). A step without the
+  draft appends the emitted tokens to pending, so the draft catches up on its next proposal in
+  one forward. Pipelined speculation (`extend`) drafts after the proposal while the target still
+  verifies it; when the target accepts all and its next token is the draft's first guess, the
+  proposal's rest (`draft_ahead`) is the next step's drafts, with no Propose.
 - lost state: a sequence's first message to a server carries `first`; any later one makes a server
   that does not hold the sequence (restarted, or lost it) answer NOT_FOUND instead of silently
   starting it afresh. The coordinator then resends it from the start — prompt + every emitted
@@ -88,6 +93,7 @@ class Sequence:
     draft_resync: bool = False        # the draft lost track (server restarted): start it afresh
     draft_keep: int = 0
     draft_pending: list[int] = field(default_factory=list)
+    draft_prop: list[int] = field(default_factory=list)
     draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
     # accounting
     reserved_target: int = 0          # KV blocks promised by the scheduler
@@ -170,22 +176,31 @@ class Sequence:
             text += self._detok.flush()
         return Chunk(text, taken, finish)
 
-    def draft_proposed(self) -> None:
-        """The draft accepted this step's keep and pending and drafted on them: until the verdict
-        it holds them plus its proposal (draft_update then sets keep; a lost verify leaves keep 0,
-        which discards the unverified proposal)."""
+    def draft_proposed(self, tokens: list[int], extend: bool = False) -> None:
+        """The draft took this step's keep and pending and drafted `tokens` after them (after the
+        proposal's unconfirmed rest when `extend`d). Until tokens are confirmed, keep is 0: a lost
+        verify discards nothing that was not confirmed."""
+        self.draft_prop = (self.draft_prop[self.draft_keep:] if extend else []) + list(tokens)
         self.draft_keep, self.draft_pending = 0, []
 
-    def draft_update(self, num_draft: int, accepted: int, next_token: int) -> None:
-        """The draft's bookkeeping after a verified step (see the module docstring)."""
-        if num_draft:
-            self.draft_keep, self.draft_pending = accepted, [next_token]
-        else:
-            self.draft_pending.append(next_token)
+    def draft_confirm(self, tokens: list[int]) -> None:
+        """Tokens the target emitted (see the module docstring)."""
+        prop = self.draft_prop
+        for tok in tokens:
+            if not self.draft_pending and self.draft_keep < len(prop) and prop[self.draft_keep] == tok:
+                self.draft_keep += 1
+            else:
+                self.draft_pending.append(tok)
+
+    @property
+    def draft_ahead(self) -> list[int]:
+        """Proposed tokens that follow the confirmed ones: drafts the next step can verify without
+        asking the draft (empty unless the proposal is still on track)."""
+        return [] if self.draft_pending else self.draft_prop[self.draft_keep:]
 
     def restart_draft(self) -> None:
         """The draft server forgot this sequence: send it everything as a new sequence."""
-        self.draft_keep = 0
+        self.draft_keep, self.draft_prop = 0, []
         self.draft_pending = list(self.params.prompt_ids) + self.output
 
     def restart_target(self) -> None:

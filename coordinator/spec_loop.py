@@ -60,6 +60,7 @@ class Plan:
     num_draft: int = 0
     drafts: list[int] = field(default_factory=list)
     probs: pb.Probs | None = None
+    ahead: bool = False  # the drafts were proposed during the last step's verify (--pipeline)
 
 
 def sampling_pb(seq: Sequence) -> pb.SamplingParams:
@@ -170,6 +171,8 @@ class SpecLoop:
             window = stats.window()
             self._policy_inputs = (window.alpha, stats.c.get(bucket_for(len(seqs), stats.buckets), window.c))
         plans = [self._plan(seq, len(seqs)) for seq in seqs]
+        if self.config.pipeline:
+            self._take_ahead(plans)
         t0 = time.perf_counter()
         draft_timing = await self._propose(plans)
         t1 = time.perf_counter()
@@ -182,6 +185,18 @@ class SpecLoop:
             if p.probs is not None:
                 request.seqs[-1].draft_probs.CopyFrom(p.probs)  # as received: exactness
         sched.release_target.clear()
+        # Pipelined: the draft drafts the next step while the target verifies this one.
+        ahead = (asyncio.create_task(self._extend(plans, len(seqs))) if self.config.pipeline and self.draft_up
+                 else None)
+        try:
+            await self._verify(plans, request, seqs, started, t0, t1, draft_timing, ahead)
+        finally:
+            if ahead is not None and not ahead.done():
+                await ahead  # one request at a time on the draft stream: the next step waits for it
+
+    async def _verify(self, plans: list[Plan], request: pb.VerifyRequest, seqs: list[Sequence],
+                      started: float, t0: float, t1: float, draft_timing, ahead) -> None:
+        sched = self.scheduler
         try:
             response = await self.target.step(request, timeout=self.config.target_timeout_s)
         except Exception as e:
@@ -195,25 +210,32 @@ class SpecLoop:
             self._abort_all(seqs, grpc.StatusCode.INTERNAL,
                             f"target answered {len(response.results)} results for {len(plans)} sequences")
             return
-        outcomes = [self._apply(p, r) for p, r in zip(plans, response.results)]
+        confirms: list[tuple[Sequence, list[int]]] = []
+        outcomes = [self._apply(p, r, confirms) for p, r in zip(plans, response.results)]
         t3 = time.perf_counter()
         stages = {"schedule": t0 - started, "verify": t2 - t1, "emit": t3 - t2}
         if draft_timing is not None:
             stages["propose"] = t1 - t0
+        if ahead is not None:
+            await ahead  # its proposals are merged before the emitted tokens are matched against them
+            stages["ahead"] = time.perf_counter() - t3
+        for seq, tokens in confirms:
+            seq.draft_confirm(tokens)
         drafted, accepted, emitted = zip(*outcomes)
         # Off the critical path: the step's statistics (a few hundred us of Python per step on
         # a slow host) are recorded once the next step's Propose is on its way, when the loop
         # first waits; the γ policy then reads statistics one step old.
         asyncio.get_running_loop().call_soon(functools.partial(
-            self.metrics.observe_step, drafted, accepted, emitted, step_seconds=t3 - started,
-            stage_seconds=stages, has_prefill=any(p.partial or len(p.target_new) > 1 for p in plans),
+            self.metrics.observe_step, drafted, accepted, emitted,
+            step_seconds=time.perf_counter() - started, stage_seconds=stages,
+            has_prefill=any(p.partial or len(p.target_new) > 1 for p in plans),
             draft_timing=draft_timing, target_timing=response.timing))
         self.metrics.set_running(len(sched.running))
 
     async def _propose(self, plans: list[Plan]) -> pb.StepTiming | None:
         """The draft's part of the step; on return every plan's drafts are set (or num_draft is 0)."""
         sched = self.scheduler
-        drafting = [p for p in plans if p.num_draft > 0]
+        drafting = [p for p in plans if p.num_draft > 0 and not p.ahead]
         if not drafting:
             return None
         request = pb.ProposeRequest(step=self._step_no)
@@ -244,36 +266,106 @@ class SpecLoop:
                 p.num_draft = 0
             return None
         for p, r in zip(drafting, response.results):
-            if r.error.code == NOT_FOUND and p.seq.draft_resends < MAX_DRAFT_RESENDS:
-                # The draft lost it (restarted between steps, or dropped it): no drafts this
-                # step, and the next proposal sends it afresh (prompt + output, with `first`).
-                self.metrics.count_error("NOT_FOUND")
-                log.warning("draft lost sequence %d; resending it from the start", p.seq.seq_id)
-                p.seq.draft_resends += 1
-                p.seq.draft_holds, p.seq.draft_resync = False, True
+            proposal = self._proposal(p.seq, r, p.num_draft)
+            if proposal is None:
                 p.num_draft = 0
                 continue
-            try:
-                if r.HasField("error"):
-                    raise BadProposal(r.error.message or "error without a message")
-                p.drafts, p.probs = checked_proposal(r, p.seq.seq_id, p.num_draft, self.vocab_size,
-                                                     sampled=p.seq.params.sampling.temperature > 0)
-            except BadProposal as e:
-                # This sequence goes on without the draft; the rest of the batch is unaffected.
-                self.metrics.count_error(status_from_code(r.error.code).name if r.error.code else "INTERNAL")
-                log.warning("draft failed for sequence %d: %s", p.seq.seq_id, e)
-                p.seq.use_draft = False
-                sched.release_draft.add(p.seq.seq_id)
-                p.seq.draft_holds = False
-                p.num_draft = 0
-                continue
-            p.seq.draft_resends = 0
-            p.seq.draft_proposed()
+            p.drafts, p.probs = proposal
+            p.seq.draft_proposed(p.drafts)
         return response.timing
 
-    def _apply(self, p: Plan, r: pb.VerifyResult) -> tuple[int, int, int]:
+    def _proposal(self, seq: Sequence, r: pb.DraftResult, num_draft: int):
+        """A draft result's (drafts, probs), checked; None when the sequence goes without drafts
+        this step (the draft lost it: resent from the start next time; or it failed for it: the
+        sequence goes on by plain decoding)."""
+        if r.error.code == NOT_FOUND and seq.draft_resends < MAX_DRAFT_RESENDS:
+            # The draft lost it (restarted between steps, or dropped it): no drafts this
+            # step, and the next proposal sends it afresh (prompt + output, with `first`).
+            self.metrics.count_error("NOT_FOUND")
+            log.warning("draft lost sequence %d; resending it from the start", seq.seq_id)
+            seq.draft_resends += 1
+            seq.draft_holds, seq.draft_resync = False, True
+            return None
+        try:
+            if r.HasField("error"):
+                raise BadProposal(r.error.message or "error without a message")
+            proposal = checked_proposal(r, seq.seq_id, num_draft, self.vocab_size,
+                                        sampled=seq.params.sampling.temperature > 0)
+        except BadProposal as e:
+            # This sequence goes on without the draft; the rest of the batch is unaffected.
+            self.metrics.count_error(status_from_code(r.error.code).name if r.error.code else "INTERNAL")
+            log.warning("draft failed for sequence %d: %s", seq.seq_id, e)
+            seq.use_draft = False
+            self.scheduler.release_draft.add(seq.seq_id)
+            seq.draft_holds = False
+            return None
+        seq.draft_resends = 0
+        return proposal
+
+    # --- pipelined speculation (--pipeline) --------------------------------------------------
+    def _pipelined(self, seq: Sequence) -> bool:
+        # Greedy only: a sampled sequence's drafts need the distributions they were drawn from
+        # (a pipelined proposal's rows would have to be split between two steps).
+        return (seq.use_draft and seq.draft_holds and not seq.draft_resync
+                and seq.params.sampling.temperature == 0)
+
+    def _take_ahead(self, plans: list[Plan]) -> None:
+        """Sequences whose last pipelined proposal is still on track (the target accepted every
+        draft and its next token was the draft's first guess) verify its rest: no Propose."""
+        n = 0
+        for p in plans:
+            if p.num_draft and self._pipelined(p.seq):
+                ahead = p.seq.draft_ahead[:p.num_draft]
+                if ahead:
+                    p.drafts, p.num_draft, p.ahead = ahead, len(ahead), True
+                    n += 1
+        self.metrics.count_pipelined(n)
+
+    async def _extend(self, plans: list[Plan], batch: int) -> None:
+        """While the target verifies: the draft drafts after each greedy sequence's proposal, its
+        first token a guess of the target's next token and the rest the next step's drafts
+        (Propose with `extend`). Never raises: a failure is the draft failing, as in _propose."""
+        sched = self.scheduler
+        request = pb.ProposeRequest(step=self._step_no)
+        extending = []
+        for p in plans:
+            seq = p.seq
+            if not (p.num_draft and self._pipelined(seq)) or seq.draft_pending:
+                continue
+            unconfirmed = len(seq.draft_prop) - seq.draft_keep
+            k = min(self._num_draft(seq, batch) + 1, seq.remaining - 1 - unconfirmed)
+            if self.draft_max_len:
+                k = min(k, self.draft_max_len - seq.num_tokens - unconfirmed)
+            if k < 2:  # a guess and at least one draft
+                continue
+            request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep, num_draft=k,
+                             sampling=sampling_pb(seq), extend=True)
+            extending.append((seq, k))
+        if not extending:
+            return
+        request.release.extend(sorted(sched.release_draft))
+        sched.release_draft.clear()
+        try:
+            response = await self.draft.step(request, timeout=self.config.draft_timeout_s)
+        except Exception as e:
+            sched.release_draft.update(request.release)
+            self.set_draft_down(_describe(e))
+            return
+        if len(response.results) != len(extending):
+            self.set_draft_down(f"{len(response.results)} results for {len(extending)} sequences")
+            return
+        for (seq, k), r in zip(extending, response.results):
+            if seq.done:
+                continue  # finished meanwhile: released at the next draft call
+            proposal = self._proposal(seq, r, k)
+            if proposal is not None:
+                seq.draft_proposed(proposal[0], extend=True)
+
+    def _apply(self, p: Plan, r: pb.VerifyResult, confirms: list) -> tuple[int, int, int]:
         """Applies one sequence's verify result; returns its (drafted, accepted, emitted) for the
-        step's statistics, all 0 when nothing was verified (prefill chunk, error, cancelled)."""
+        step's statistics, all 0 when nothing was verified (prefill chunk, error, cancelled).
+        The emitted tokens go to `confirms` for the draft's bookkeeping, done after the step's
+        pipelined proposal is in."""
         seq = p.seq
         if seq.done or seq.cancelled:  # cancelled while the step was in flight: retired next boundary
             return 0, 0, 0
@@ -297,7 +389,7 @@ class SpecLoop:
         tokens = p.drafts[:r.accepted] + [r.next_token]
         seq.target_pending = [r.next_token]
         if seq.use_draft:
-            seq.draft_update(p.num_draft, r.accepted, r.next_token)
+            confirms.append((seq, tokens))
         seq.target_resends = 0
         seq.steps += 1
         seq.drafted += p.num_draft

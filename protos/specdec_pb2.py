@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/specdec.proto\x12\nspecdec.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x8c\x01\n\x05Probs\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.specdec.v1.ProbsEncoding\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\x12\x13\n\x0brow_lengths\x18\x06 \x01(\x0c\"\x85\x01\n\nStepTiming\x12\x17\n\x0f\x66orward_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x14\n\x0cnum_forwards\x18\x04 \x01(\x05\x12\x1e\n\x16\x64\x65\x63ode_forward_seconds\x18\x05 \x01(\x01\")\n\x08SeqError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\xaf\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x15\n\rnum_sequences\x18\x0c \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\";\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\x03\"\x8c\x01\n\x08\x44raftSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04keep\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x01(\x0c\x12\x11\n\tnum_draft\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05\x66irst\x18\x06 \x01(\x08\"S\n\x0eProposeRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x04seqs\x18\x02 \x03(\x0b\x32\x14.specdec.v1.DraftSeq\x12\x0f\n\x07release\x18\x03 \x03(\x04\"t\n\x0b\x44raftResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Probs\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.specdec.v1.SeqError\"q\n\x0fProposeResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.specdec.v1.DraftResult\x12&\n\x06timing\x18\x03 \x01(\x0b\x32\x16.specdec.v1.StepTiming\"\xc3\x01\n\tVerifySeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnew_tokens\x18\x02 \x01(\x0c\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x0c\x12&\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Probs\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\x0fpartial_prefill\x18\x06 \x01(\x08\x12\r\n\x05\x66irst\x18\x07 \x01(\x08\"S\n\rVerifyRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12#\n\x04seqs\x18\x02 \x03(\x0b\x32\x15.specdec.v1.VerifySeq\x12\x0f\n\x07release\x18\x03 \x03(\x04\"i\n\x0cVerifyResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.specdec.v1.SeqError\"q\n\x0eVerifyResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x07results\x18\x02 \x03(\x0b\x32\x18.specdec.v1.VerifyResult\x12&\n\x06timing\x18\x03 \x01(\x0b\x32\x16.specdec.v1.StepTiming\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xaf\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x11\n\tnum_draft\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\tB\x08\n\x06prompt\"w\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\"\x9a\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x90\x01\n\x0eGenerationInfo\x12%\n\x06target\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12\x19\n\x11\x64\x65\x66\x61ult_num_draft\x18\x03 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05*\x8d\x01\n\rProbsEncoding\x12\x1e\n\x1aPROBS_ENCODING_UNSPECIFIED\x10\x00\x12\x1d\n\x19PROBS_ENCODING_DENSE_FP16\x10\x01\x12\x1d\n\x19PROBS_ENCODING_DENSE_BF16\x10\x02\x12\x1e\n\x1aPROBS_ENCODING_SPARSE_FP16\x10\x03*f\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13SPECULATION_MODE_ON\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xcb\x01\n\x05\x44raft\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse2\xc9\x01\n\x06Target\x12\x43\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse2\x92\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12;\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x1a.specdec.v1.GenerationInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/specdec.proto\x12\nspecdec.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x8c\x01\n\x05Probs\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.specdec.v1.ProbsEncoding\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\x12\x13\n\x0brow_lengths\x18\x06 \x01(\x0c\"\x85\x01\n\nStepTiming\x12\x17\n\x0f\x66orward_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x14\n\x0cnum_forwards\x18\x04 \x01(\x05\x12\x1e\n\x16\x64\x65\x63ode_forward_seconds\x18\x05 \x01(\x01\")\n\x08SeqError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\xaf\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x15\n\rnum_sequences\x18\x0c \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\";\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\x03\"\x9c\x01\n\x08\x44raftSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04keep\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x01(\x0c\x12\x11\n\tnum_draft\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05\x66irst\x18\x06 \x01(\x08\x12\x0e\n\x06\x65xtend\x18\x07 \x01(\x08\"S\n\x0eProposeRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x04seqs\x18\x02 \x03(\x0b\x32\x14.specdec.v1.DraftSeq\x12\x0f\n\x07release\x18\x03 \x03(\x04\"t\n\x0b\x44raftResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Probs\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.specdec.v1.SeqError\"q\n\x0fProposeResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.specdec.v1.DraftResult\x12&\n\x06timing\x18\x03 \x01(\x0b\x32\x16.specdec.v1.StepTiming\"\xc3\x01\n\tVerifySeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnew_tokens\x18\x02 \x01(\x0c\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x0c\x12&\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Probs\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\x0fpartial_prefill\x18\x06 \x01(\x08\x12\r\n\x05\x66irst\x18\x07 \x01(\x08\"S\n\rVerifyRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12#\n\x04seqs\x18\x02 \x03(\x0b\x32\x15.specdec.v1.VerifySeq\x12\x0f\n\x07release\x18\x03 \x03(\x04\"i\n\x0cVerifyResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.specdec.v1.SeqError\"q\n\x0eVerifyResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x07results\x18\x02 \x03(\x0b\x32\x18.specdec.v1.VerifyResult\x12&\n\x06timing\x18\x03 \x01(\x0b\x32\x16.specdec.v1.StepTiming\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xaf\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x11\n\tnum_draft\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\tB\x08\n\x06prompt\"w\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\"\x9a\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x90\x01\n\x0eGenerationInfo\x12%\n\x06target\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12\x19\n\x11\x64\x65\x66\x61ult_num_draft\x18\x03 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05*\x8d\x01\n\rProbsEncoding\x12\x1e\n\x1aPROBS_ENCODING_UNSPECIFIED\x10\x00\x12\x1d\n\x19PROBS_ENCODING_DENSE_FP16\x10\x01\x12\x1d\n\x19PROBS_ENCODING_DENSE_BF16\x10\x02\x12\x1e\n\x1aPROBS_ENCODING_SPARSE_FP16\x10\x03*f\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13SPECULATION_MODE_ON\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xcb\x01\n\x05\x44raft\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse2\xc9\x01\n\x06Target\x12\x43\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse2\x92\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12;\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x1a.specdec.v1.GenerationInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.specdec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROBSENCODING']._serialized_start=2610
-  _globals['_PROBSENCODING']._serialized_end=2751
-  _globals['_SPECULATIONMODE']._serialized_start=2753
-  _globals['_SPECULATIONMODE']._serialized_end=2855
-  _globals['_FINISHREASON']._serialized_start=2857
-  _globals['_FINISHREASON']._serialized_end=2975
+  _globals['_PROBSENCODING']._serialized_start=2626
+  _globals['_PROBSENCODING']._serialized_end=2767
+  _globals['_SPECULATIONMODE']._serialized_start=2769
+  _globals['_SPECULATIONMODE']._serialized_end=2871
+  _globals['_FINISHREASON']._serialized_start=2873
+  _globals['_FINISHREASON']._serialized_end=2991
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=146
   _globals['_PROBS']._serialized_start=149
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=826
   _globals['_RELEASERESPONSE']._serialized_end=885
   _globals['_DRAFTSEQ']._serialized_start=888
-  _globals['_DRAFTSEQ']._serialized_end=1028
-  _globals['_PROPOSEREQUEST']._serialized_start=1030
-  _globals['_PROPOSEREQUEST']._serialized_end=1113
-  _globals['_DRAFTRESULT']._serialized_start=1115
-  _globals['_DRAFTRESULT']._serialized_end=1231
-  _globals['_PROPOSERESPONSE']._serialized_start=1233
-  _globals['_PROPOSERESPONSE']._serialized_end=1346
-  _globals['_VERIFYSEQ']._serialized_start=1349
-  _globals['_VERIFYSEQ']._serialized_end=1544
-  _globals['_VERIFYREQUEST']._serialized_start=1546
-  _globals['_VERIFYREQUEST']._serialized_end=1629
-  _globals['_VERIFYRESULT']._serialized_start=1631
-  _globals['_VERIFYRESULT']._serialized_end=1736
-  _globals['_VERIFYRESPONSE']._serialized_start=1738
-  _globals['_VERIFYRESPONSE']._serialized_end=1851
-  _globals['_TOKENIDS']._serialized_start=1853
-  _globals['_TOKENIDS']._serialized_end=1876
-  _globals['_GENERATEREQUEST']._serialized_start=1879
-  _globals['_GENERATEREQUEST']._serialized_end=2182
-  _globals['_USAGE']._serialized_start=2184
-  _globals['_USAGE']._serialized_end=2303
-  _globals['_GENERATERESPONSE']._serialized_start=2306
-  _globals['_GENERATERESPONSE']._serialized_end=2460
-  _globals['_GENERATIONINFO']._serialized_start=2463
-  _globals['_GENERATIONINFO']._serialized_end=2607
-  _globals['_DRAFT']._serialized_start=2978
-  _globals['_DRAFT']._serialized_end=3181
-  _globals['_TARGET']._serialized_start=3184
-  _globals['_TARGET']._serialized_end=3385
-  _globals['_GENERATION']._serialized_start=3388
-  _globals['_GENERATION']._serialized_end=3534
+  _globals['_DRAFTSEQ']._serialized_end=1044
+  _globals['_PROPOSEREQUEST']._serialized_start=1046
+  _globals['_PROPOSEREQUEST']._serialized_end=1129
+  _globals['_DRAFTRESULT']._serialized_start=1131
+  _globals['_DRAFTRESULT']._serialized_end=1247
+  _globals['_PROPOSERESPONSE']._serialized_start=1249
+  _globals['_PROPOSERESPONSE']._serialized_end=1362
+  _globals['_VERIFYSEQ']._serialized_start=1365
+  _globals['_VERIFYSEQ']._serialized_end=1560
+  _globals['_VERIFYREQUEST']._serialized_start=1562
+  _globals['_VERIFYREQUEST']._serialized_end=1645
+  _globals['_VERIFYRESULT']._serialized_start=1647
+  _globals['_VERIFYRESULT']._serialized_end=1752
+  _globals['_VERIFYRESPONSE']._serialized_start=1754
+  _globals['_VERIFYRESPONSE']._serialized_end=1867
+  _globals['_TOKENIDS']._serialized_start=1869
+  _globals['_TOKENIDS']._serialized_end=1892
+  _globals['_GENERATEREQUEST']._serialized_start=1895
+  _globals['_GENERATEREQUEST']._serialized_end=2198
+  _globals['_USAGE']._serialized_start=2200
+  _globals['_USAGE']._serialized_end=2319
+  _globals['_GENERATERESPONSE']._serialized_start=2322
+  _globals['_GENERATERESPONSE']._serialized_end=2476
+  _globals['_GENERATIONINFO']._serialized_start=2479
+  _globals['_GENERATIONINFO']._serialized_end=2623
+  _globals['_DRAFT']._serialized_start=2994
+  _globals['_DRAFT']._serialized_end=3197
+  _globals['_TARGET']._serialized_start=3200
+  _globals['_TARGET']._serialized_end=3401
+  _globals['_GENERATION']._serialized_start=3404
+  _globals['_GENERATION']._serialized_end=3550
 # @@protoc_insertion_point(module_scope)

@@ -139,20 +139,22 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
 
 class DraftSeq(_message.Message):
-    __slots__ = ("seq_id", "keep", "new_tokens", "num_draft", "sampling", "first")
+    __slots__ = ("seq_id", "keep", "new_tokens", "num_draft", "sampling", "first", "extend")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     keep: int
     new_tokens: bytes
     num_draft: int
     sampling: SamplingParams
     first: bool
-    def __init__(self, seq_id: _Optional[int] = ..., keep: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., num_draft: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first: _Optional[bool] = ...) -> None: ...
+    extend: bool
+    def __init__(self, seq_id: _Optional[int] = ..., keep: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., num_draft: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first: _Optional[bool] = ..., extend: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("step", "seqs", "release")

@@ -26,7 +26,8 @@ ROLES = ("draft", "target", "coordinator")
 # tokens); decode: one new token per sequence (draft steps, plain target steps; what c is defined
 # on); verify: the target's forward over its new token + γ drafts per sequence.
 PHASES = ("prefill", "decode", "verify")
-STAGES = ("schedule", "propose", "verify", "emit")
+# ahead: with --pipeline, the wait for the draft's next-step proposal after the target answered.
+STAGES = ("schedule", "propose", "verify", "emit", "ahead")
 RPCS = ("Propose", "Verify", "Release", "Info", "Generate")
 # The RPCs each process times (coordinator: its round trips to the servers; servers: handling).
 ROLE_RPCS = {"coordinator": ("Propose", "Verify", "Release"), "draft": ("Propose", "Info", "Release"),
@@ -100,6 +101,8 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _c("specdec_spec_steps_total", "Sequence-steps that verified at least one draft token"),
     _c("specdec_plain_steps_total", "Sequence-steps of plain decoding (no draft tokens)"),
     _c("specdec_rejections_total", "Sequence-steps that ended with a rejected draft token"),
+    _c("specdec_pipelined_steps_total",
+       "Sequence-steps whose drafts were proposed during the previous step's verification (--pipeline)"),
     _c("specdec_draft_tokens_by_position_total", "Draft tokens proposed at each position (1-based)",
        "position"),
     _c("specdec_accepted_tokens_by_position_total", "Draft tokens accepted at each position (1-based)",
@@ -307,6 +310,11 @@ class CoordinatorMetrics(_ProcessMetrics):
             if a_at:
                 series_a.inc(a_at)
 
+    def count_pipelined(self, n: int) -> None:
+        """Sequence-steps whose drafts came from a pipelined proposal (no Propose on the path)."""
+        if n:
+            self._m["specdec_pipelined_steps_total"].inc(n)
+
     def observe_step(self, drafted: Sequence[int], accepted: Sequence[int],
                      emitted: Sequence[int] | None = None, *, step_seconds: float,
                      stage_seconds: Mapping[str, float] | None = None, has_prefill: bool = False,
@@ -447,11 +455,15 @@ def sample_value(samples: Samples, name: str, **labels: str) -> float | None:
     return None
 
 
+def sample_total(samples: Samples | None, name: str, **labels: str) -> float:
+    """Sum of the samples `name` whose labels match `labels` (0 when there are none)."""
+    return sum(v for got, v in (samples or {}).get(name, ())
+               if all(got.get(k) == x for k, x in labels.items()))
+
+
 def histogram_mean(after: Samples, name: str, before: Samples | None = None, **labels: str) -> float | None:
     """Mean observation of histogram `name` (series matching `labels`, summed), over the whole
     scrape `after` or between the scrapes `before` and `after`; None without observations."""
-    def total(samples: Samples | None, suffix: str) -> float:
-        return sum(v for got, v in (samples or {}).get(name + suffix, ())
-                   if all(got.get(k) == x for k, x in labels.items()))
-    count = total(after, "_count") - total(before, "_count")
-    return (total(after, "_sum") - total(before, "_sum")) / count if count else None
+    count = sample_total(after, name + "_count", **labels) - sample_total(before, name + "_count", **labels)
+    total = sample_total(after, name + "_sum", **labels) - sample_total(before, name + "_sum", **labels)
+    return total / count if count else None

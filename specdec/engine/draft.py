@@ -35,6 +35,7 @@ class Plan:
     seq: DraftSeqInput
     tokens: list[int]     # the sequence after this step's keep + new_tokens, before drafting
     feed: list[int]       # tokens to run through the model before the first draft
+    base: int = -1        # confirmed tokens after the step (-1: all of `tokens`)
     admission: Admission | None = None
 
     @property
@@ -71,7 +72,8 @@ class DraftEngine(ModelEngine):
             self.roll_back(p.admission for p in plans)
             raise
         for plan, toks, q in zip(plans, drafted, probs):
-            self.states[plan.seq.seq_id] = DraftState(plan.tokens + toks, len(plan.tokens))
+            base = len(plan.tokens) if plan.base < 0 else plan.base
+            self.states[plan.seq.seq_id] = DraftState(plan.tokens + toks, base)
             outputs[plan.index] = DraftOutput(plan.seq.seq_id, toks, q)
         forwards = clock.seconds()
         self._update_profile(plans, forwards)
@@ -100,15 +102,23 @@ class DraftEngine(ModelEngine):
             if not 0 <= seq.keep <= drafted:
                 raise SeqFailure(Code.INVALID_ARGUMENT,
                                  f"keep: {seq.keep} outside 0..{drafted} (drafts proposed last step)")
-            tokens = state.tokens[:state.base + seq.keep] + list(seq.new_tokens)
+            if seq.extend:
+                # Pipelined: the target still verifies the proposal; its first `keep` tokens are
+                # confirmed and the rest stay proposed, with the new drafts after them.
+                if seq.new_tokens:
+                    raise SeqFailure(Code.INVALID_ARGUMENT, "new_tokens: must be empty with extend")
+                tokens = list(state.tokens)
+            else:
+                tokens = state.tokens[:state.base + seq.keep] + list(seq.new_tokens)
         self.check_length(len(tokens) + seq.num_draft, "new_tokens + num_draft")
         if state is None:
             return Plan(index, seq, tokens, feed=tokens)
-        kv_len = min(self.runner.num_tokens(seq.seq_id), state.base + seq.keep)
+        base = state.base + seq.keep if seq.extend else -1
+        kv_len = min(self.runner.num_tokens(seq.seq_id), len(tokens) if seq.extend else state.base + seq.keep)
         if kv_len == len(tokens) and seq.num_draft:
             kv_len -= 1  # nothing new to feed, but drafting needs the last token's logits
         self.runner.truncate(seq.seq_id, kv_len)
-        return Plan(index, seq, tokens, feed=tokens[kv_len:])
+        return Plan(index, seq, tokens, feed=tokens[kv_len:], base=base)
 
     def _draft(self, plans: list[Plan], clock) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per plan the drafted tokens and (sampled sequences only) the transport-rounded

@@ -56,6 +56,7 @@ class DraftSeqInput:
     num_draft: int
     sampling: SamplingParams = SamplingParams()
     first: bool = False  # the sequence's first message: allocate it (see unknown_seq)
+    extend: bool = False  # draft after the proposal's unconfirmed rest (DraftSeq.extend)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def draft_seqs_from_pb(req: pb.ProposeRequest) -> list[DraftSeqInput | SeqError]
     for i, s in enumerate(req.seqs):
         try:
             out.append(DraftSeqInput(s.seq_id, s.keep, _ids(s.new_tokens, "new_tokens"), s.num_draft,
-                                     _sampling(s.sampling), s.first))
+                                     _sampling(s.sampling), s.first, s.extend))
         except FieldError as e:
             out.append(_seq_error(i, e))
     return out

@@ -106,6 +106,94 @@ def test_draft_catches_up_after_all_accepted(engines):
     assert draft.num_free_blocks == draft.runner.blocks.num_blocks
 
 
+def test_extend_drafts_after_the_unconfirmed_proposal(engines, monkeypatch):
+    # Pipelined speculation: while the target verifies d, the draft drafts after it (extend); the
+    # next keep counts from d's first token, so a rejection inside d drops the extension as well.
+    draft, _ = engines
+    prompt = [3, 4, 5, 6]
+    d = draft.propose([DraftSeqInput(1, 0, prompt, 3, first=True)]).outputs[0].tokens
+    truncated = []
+    real_truncate = draft.runner.truncate
+    monkeypatch.setattr(draft.runner, "truncate", lambda sid, n: (truncated.append(n), real_truncate(sid, n)))
+    e = draft.propose([DraftSeqInput(1, 0, [], 3, extend=True)]).outputs[0].tokens
+    assert truncated == [len(prompt) + 2]  # the KV keeps d's fed drafts: only d[-1] is fed
+    assert draft.states[1].tokens == prompt + d + e and draft.states[1].base == len(prompt)
+    fresh = draft.propose([DraftSeqInput(2, 0, prompt + d, 3, first=True)]).outputs[0].tokens
+    assert e == fresh
+    # Two of d accepted, then the target's 9: back inside the first proposal.
+    miss = draft.propose([DraftSeqInput(1, 2, [9], 2)]).outputs[0].tokens
+    assert draft.runner.num_tokens(1) == len(prompt) + 2 + 1 + 1
+    fresh = draft.propose([DraftSeqInput(3, 0, prompt + d[:2] + [9], 2, first=True)]).outputs[0].tokens
+    assert miss == fresh
+    # An extension that confirms part of the proposal moves the base past it.
+    f = draft.propose([DraftSeqInput(1, 1, [], 2, extend=True)]).outputs[0].tokens
+    assert draft.states[1].tokens == prompt + d[:2] + [9] + miss + f
+    assert draft.states[1].base == len(prompt) + 3 + 1
+    bad = draft.propose([DraftSeqInput(1, 0, [7], 2, extend=True)]).outputs[0]
+    assert bad.error is not None and bad.error.code == Code.INVALID_ARGUMENT and "extend" in bad.error.message
+    assert draft.states[1].tokens == prompt + d[:2] + [9] + miss + f  # a refused step changes nothing
+    draft.release([1, 2, 3])
+    assert draft.num_free_blocks == draft.runner.blocks.num_blocks
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pipelined_speculation_equals_target_greedy(engines, k):
+    """The coordinator's --pipeline bookkeeping on the engines: each step's verify runs beside an
+    extend of the draft's proposal (a guess of the target's next token + k drafts); a step whose
+    drafts were all accepted and whose guess was right verifies the extension, with no propose."""
+    draft, target = engines
+    n_new = 14
+    reference = plain_greedy(target, PROMPTS, n_new)
+    ids = [3000 + i for i in range(len(PROMPTS))]
+    out = [[] for _ in PROMPTS]
+    t_new = [list(p) for p in PROMPTS]
+    prop = [[] for _ in PROMPTS]       # the draft's proposal: drafted, not yet confirmed
+    keep = [0] * len(PROMPTS)          # of it, confirmed since
+    pending = [list(p) for p in PROMPTS]  # confirmed tokens the draft has not seen
+    hits = steps = 0
+    while any(len(o) < n_new for o in out):
+        live = [i for i in range(len(PROMPTS)) if len(out[i]) < n_new]
+        drafts = {}
+        normal = []
+        for i in live:
+            ahead = [] if pending[i] else prop[i][keep[i]:]
+            if ahead:
+                drafts[i] = ahead[:k]
+                hits += 1
+            else:
+                normal.append(i)
+        if normal:
+            res = draft.propose([DraftSeqInput(ids[i], keep[i], pending[i], k, first=not out[i])
+                                 for i in normal]).outputs
+            for i, r in zip(normal, res):
+                assert r.error is None
+                drafts[i], prop[i], keep[i], pending[i] = r.tokens, list(r.tokens), 0, []
+        ver = target.verify([VerifySeqInput(ids[i], t_new[i], drafts[i], first=not out[i]) for i in live])
+        ext = draft.propose([DraftSeqInput(ids[i], keep[i], [], k + 1, extend=True) for i in live])
+        for i, r in zip(live, ext.outputs):
+            assert r.error is None
+            prop[i], keep[i] = prop[i][keep[i]:] + r.tokens, 0
+        for i, v in zip(live, ver.outputs):
+            assert v.error is None
+            emitted = drafts[i][:v.accepted] + [v.next_token]
+            out[i] += emitted
+            t_new[i] = [v.next_token]
+            for tok in emitted:  # Sequence.draft_confirm
+                if not pending[i] and keep[i] < len(prop[i]) and prop[i][keep[i]] == tok:
+                    keep[i] += 1
+                else:
+                    pending[i].append(tok)
+        steps += len(live)
+        done = [ids[i] for i in live if len(out[i]) >= n_new]
+        draft.release(done)
+        target.release(done)
+    assert [o[:n_new] for o in out] == reference
+    assert 0 < hits < steps  # both kinds of step ran
+    for engine in engines:
+        assert engine.num_free_blocks == engine.runner.blocks.num_blocks
+        assert engine.num_sequences() == 0
+
+
 def test_sampled_draft_returns_the_distributions_it_sampled(engines):
     draft, target = engines
     params = SamplingParams(temperature=0.8, top_k=50, seed=123)

@@ -123,14 +123,22 @@ def one_hot(tokens: list[int]) -> pb.Probs:
 
 
 class FakeDraft(FakeServer):
-    """Drafts model()'s own continuation (so it is accepted), then applies `spoil` to the result."""
+    """Drafts draft_model()'s continuation (model()'s by default, so it is accepted), then applies
+    `spoil` to the result. Holds (confirmed tokens, proposal) per sequence, as the real draft."""
 
-    def __init__(self, spoil=None):
+    def __init__(self, spoil=None, draft_model=model, delay: float = 0.0):
         super().__init__("draft")
         self.spoil = spoil
+        self.draft_model = draft_model
+        self.delay = delay  # seconds each step takes (a draft slower than the target's answer)
         self.proposals: dict[int, tuple[list[int], list[int]]] = {}
+        self.requests: list[pb.ProposeRequest] = []
+        self.violations: list[str] = []
 
     async def step(self, request: pb.ProposeRequest, timeout=None) -> pb.ProposeResponse:
+        self.requests.append(request)
+        if self.delay:
+            await asyncio.sleep(self.delay)
         for i in request.release:
             self.held.pop(i, None)
             self.proposals.pop(i, None)
@@ -138,10 +146,15 @@ class FakeDraft(FakeServer):
         for s in request.seqs:
             r = response.results.add(seq_id=s.seq_id)
             if s.first:
-                ctx = []
+                ctx, rest = [], []
             elif s.seq_id in self.held:
                 before, proposal = self.proposals.get(s.seq_id, (self.held[s.seq_id], []))
+                if not 0 <= s.keep <= len(proposal):
+                    self.violations.append(f"keep {s.keep} of a proposal of {len(proposal)}")
                 ctx = before + proposal[:s.keep]
+                rest = proposal[s.keep:] if s.extend else []
+                if s.extend and s.new_tokens:
+                    self.violations.append("new_tokens with extend")
             else:
                 r.error.code, r.error.message = NOT_FOUND, "not held"
                 continue
@@ -149,8 +162,8 @@ class FakeDraft(FakeServer):
             self.held[s.seq_id] = ctx
             tokens = []
             for _ in range(s.num_draft):
-                tokens.append(model(ctx + tokens))
-            self.proposals[s.seq_id] = (ctx, tokens)
+                tokens.append(self.draft_model(ctx + rest + tokens))
+            self.proposals[s.seq_id] = (ctx, rest + tokens)
             r.tokens = pack_ids(tokens)
             if s.sampling.temperature > 0:
                 r.probs.CopyFrom(one_hot(tokens))
