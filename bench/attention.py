@@ -44,7 +44,7 @@ import triton  # noqa: E402
 from common import cold_ms, copy_bandwidth, environment, flush_cost_us  # noqa: E402
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error  # noqa: E402
 from specdec.kernels import triton_attention  # noqa: E402
-from specdec.kernels.triton_attention import launch_plan, paged_attention  # noqa: E402
+from specdec.kernels.triton_attention import launch_plan, paged_attention, tile_config  # noqa: E402
 
 SHAPES = {"llama7b_32x128": (32, 32, 128), "gqa_32q_8kv_x128": (32, 8, 128)}
 BATCHES, CONTEXTS, QUERY_LENS = (1, 8, 32, 64), (512, 2048, 8192), (1, 4, 8, 16)
@@ -59,14 +59,14 @@ DEVICE = "cuda"
 CHECK_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 BENCH_MS = dict(warmup=10, rep=50)        # per timed call in the sweep (3 per case: graph, eager, SDPA)
 TUNE_MS = dict(warmup=3, rep=15)          # per config in the tuning sweep
-# Tuned cases, one per regime the heuristics decide: the split regime (B=1 long context), the ~2
-# programs/SM boundary (B=8 MHA, B=32 GQA), big batch, GQA long context, BLOCK_M=64 rows, latency.
-# Each gets an equal share of --tune-seconds (the last run spent its whole budget on the first four).
-TUNE_CASES = [("llama7b_32x128", 1, 1024, 8), ("gqa_32q_8kv_x128", 1, 1024, 8),
-              ("llama7b_32x128", 1, 8192, 1), ("gqa_32q_8kv_x128", 8, 8192, 1),
-              ("llama7b_32x128", 8, 2048, 8), ("gqa_32q_8kv_x128", 32, 2048, 4),
-              ("llama7b_32x128", 64, 2048, 1), ("gqa_32q_8kv_x128", 64, 8192, 1),
-              ("gqa_32q_8kv_x128", 8, 2048, 16)]
+# Tuned cases: where the plan lost to SDPA in session 7's run (every q=1 case; most at short
+# contexts with one split and 64-key tiles, and GQA with 4 of 16 MMA rows used), and the latency
+# cases. Each gets an equal share of --tune-seconds (unspent time rolls on).
+TUNE_CASES = [("llama7b_32x128", 8, 512, 1), ("gqa_32q_8kv_x128", 64, 512, 1),
+              ("llama7b_32x128", 64, 512, 1), ("gqa_32q_8kv_x128", 8, 2048, 1),
+              ("llama7b_32x128", 1, 2048, 1), ("gqa_32q_8kv_x128", 1, 8192, 1),
+              ("llama7b_32x128", 1, 1024, 8), ("gqa_32q_8kv_x128", 1, 1024, 8),
+              ("llama7b_32x128", 32, 2048, 1)]
 TUNE_TILES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
               for n in (64, 128, 32) for w, s in ((4, 3), (4, 2), (8, 3), (4, 4))]
 
@@ -184,6 +184,14 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
             row["check_ok"] = row["check_vs_sdpa_rel_err"] < 2 * CHECK_TOL[DTYPE]
             row["ms"] = timed(ours, graphed, **BENCH_MS)
             row["ms_write_flush"] = timed(ours, graphed, flush="write", **BENCH_MS)
+            # Side by side where the occupancy rules of tile_config (session 7) changed the tile:
+            # the tile the plan took before them, at the same split count.
+            prev = tile_config(h // hkv, ql, d, triton.cdiv(ctx, plan["num_splits"]))
+            if (prev["BLOCK_N"], prev["num_stages"]) != (plan["BLOCK_N"], plan["num_stages"]):
+                cfg = {k: prev[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+                ours(cfg, plan["num_splits"])
+                row["prev_tile"] = cfg
+                row["ms_prev_tile"] = timed(lambda: ours(cfg, plan["num_splits"]), graphed, **BENCH_MS)
             if variants:
                 # Side by side: the same call with each tile's page indices read in its own iteration
                 # (triton_attention.PAGE_AHEAD off; on, the default, loads them one tile ahead where
@@ -299,6 +307,8 @@ def fmt_row(r: dict) -> str:
             notes.append(f"best of {len(ok)} tuned {best['ms']:.4f} ms {best}")
     if "page_ahead_x" in r:
         notes.append(f"page ahead x{r['page_ahead_x']:.2f}")
+    if "ms_prev_tile" in r:
+        notes.append(f"tile before the occupancy rules {r['ms_prev_tile']:.4f} ms")
     p = r["plan"]
     tile = f"{p['BLOCK_M']}/{p['BLOCK_N']}/{p['num_warps']}/{p['num_stages']}"
     return head + (f"{r['ms']:>9.4f}{r['ms_write_flush']:>9.4f}{r['ms_inline_merge']:>9.4f}{r['eager_ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
@@ -331,6 +341,9 @@ def goals(rows: list[dict]) -> dict:
         "inline_merge_faster": {"met": sum(r["ms_inline_merge"] < r["ms"] for r in good if "check_inline_rel_err" in r),
                                 "of": sum("check_inline_rel_err" in r for r in good)},
         "latency_b1_ctx1024_q8_le_15us": {r["shape"]: round(r["ms"] * 1e3, 2) for r in lat},
+        "occupancy_rules": {"changed": sum("ms_prev_tile" in r for r in good),
+                            "faster_2pct": sum(r["ms_prev_tile"] > 1.02 * r["ms"] for r in good if "ms_prev_tile" in r),
+                            "slower_2pct": sum(r["ms_prev_tile"] < 0.98 * r["ms"] for r in good if "ms_prev_tile" in r)},
         "sdpa_latency_us": {r["shape"]: round(r["sdpa_ms"] * 1e3, 2) for r in lat},
         "latency_inline_merge_us": {r["shape"]: round(r["ms_inline_merge"] * 1e3, 2) for r in lat},
         "latency_eager_us": {r["shape"]: round(r["eager_ms"] * 1e3, 2) for r in lat},

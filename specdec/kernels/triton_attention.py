@@ -303,13 +303,20 @@ def _d_pad(head_dim: int) -> int:
 
 
 def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program: int = 0,
-                elem_size: int = 2) -> dict:
+                elem_size: int = 2, programs: int = 0, num_sms: int = 0) -> dict:
     """BLOCK_M (query rows = tokens x heads of a KV group), BLOCK_N (keys), warps, stages.
 
     Short queries stream the cache: a program with >= LONG_KEYS keys to read takes 128-key tiles
     (fewer loop trips and page-table loads per byte); short splits keep 64 (a deep pipeline of wide
     tiles is mostly fill and drain there). The first (BLOCK_N, stages) whose K/V stages and Q tile
-    fit SMEM_BUDGET wins, so fp32 caches fall back to narrower tiles."""
+    fit SMEM_BUDGET wins, so fp32 caches fall back to narrower tiles.
+
+    Given the grid (programs, num_sms), short streams also mind occupancy (H200 tuning sweep of
+    session 7, bench/README.md): where the default tile's SLOTS_PER_SM programs per SM would
+    take two waves but four per SM fit in one, 16-row tiles take 32 keys (~53 KB of shared
+    memory: four per SM) and run in one wave (GQA B=64 ctx 512 q=1: 40.1 us against 51.5); and
+    where every program has an SM to itself and at most 128 keys, one 128-key tile replaces a
+    loop of two (B=1 ctx 512, 4-14% faster)."""
     d_pad = _d_pad(head_dim)
     rows = triton.next_power_of_2(max_query_len * group)
     floor_m = max(16, triton.next_power_of_2(group))   # tl.dot wants M >= 16; one token's heads fit
@@ -323,6 +330,12 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
         prefs = [(128, 3), (64, 3), (64, 2), (32, 2)]
     else:
         prefs = [(64, 3), (64, 2), (32, 2), (16, 2)]
+    if programs and num_sms and d_pad <= 128 and 0 < keys_per_program < LONG_KEYS and block_m <= 32:
+        if keys_per_program <= 128 and programs <= num_sms:
+            prefs = [(128, 2)] + prefs
+        elif SLOTS_PER_SM * num_sms < programs <= 4 * num_sms and block_m <= 16:
+            # (32-row tiles do not fit four per SM: GQA B=64 ctx 512 q=8 took 64.3 us, not 54.8)
+            prefs = [(32, 3)] + prefs
     for block_n, stages in prefs:
         if (2 * stages * block_n + block_m) * d_pad * elem_size <= SMEM_BUDGET:
             break
@@ -362,7 +375,8 @@ def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_q
     if num_splits is None:
         num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len, num_sms)
     tile = {**tile_config(group, max_query_len, head_dim, triton.cdiv(max_context_len, num_splits),
-                          elem_size), **over}
+                          elem_size, programs=num_seqs * num_kv_heads * n_qtiles * num_splits,
+                          num_sms=num_sms if num_sms > 1 else 0), **over}
     return (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_warps"], tile["num_stages"], qt, n_qtiles,
             num_splits)
 

@@ -164,6 +164,24 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     assert (plan["BLOCK_M"], plan["QT"], plan["n_qtiles"]) == (64, 16, 1)  # 16 tokens x 4 heads
 
 
+def test_tile_heuristic_minds_occupancy_of_short_streams():
+    # GQA (4 heads a group) q=1, 512 keys a program: 512 programs are two waves of 64-key tiles
+    # (2 per SM on 132 SMs) but one of 32-key tiles (4 per SM).
+    assert tile_config(4, 1, 128, 512, programs=512, num_sms=132)["BLOCK_N"] == 32
+    assert tile_config(4, 1, 128, 512, programs=256, num_sms=132)["BLOCK_N"] == 64   # one wave already
+    assert tile_config(4, 1, 128, 512, programs=600, num_sms=132)["BLOCK_N"] == 64   # > 4 per SM
+    assert tile_config(4, 1, 128, 4096, programs=512, num_sms=132)["BLOCK_N"] == 128  # long streams
+    assert tile_config(4, 8, 128, 512, programs=512, num_sms=132)["BLOCK_N"] == 64   # 32-row tiles
+    # A split of <= 128 keys with an SM per program: one 128-key tile.
+    cfg = tile_config(4, 8, 128, 128, programs=64, num_sms=132)
+    assert (cfg["BLOCK_N"], cfg["num_stages"]) == (128, 2)
+    assert tile_config(1, 8, 128, 128, programs=256, num_sms=132)["BLOCK_N"] == 64  # 2 programs per SM
+    assert tile_config(4, 1, 128, 512)["BLOCK_N"] == 64   # without the grid: as before
+    for cfg in (tile_config(4, 1, 128, 512, programs=512, num_sms=132),
+                tile_config(4, 8, 128, 128, programs=64, num_sms=132)):
+        assert (2 * cfg["num_stages"] * cfg["BLOCK_N"] + cfg["BLOCK_M"]) * 128 * 2 <= SMEM_BUDGET
+
+
 def test_tile_heuristic_widens_long_streams_and_fits_shared_memory():
     cfg = tile_config(1, 1, 128, keys_per_program=8192)
     assert (cfg["BLOCK_N"], cfg["num_stages"]) == (128, 3)   # long decode stream
