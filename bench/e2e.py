@@ -95,13 +95,13 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
     poll = ["--busy-poll-ms", str(a.busy_poll_ms)] if gpus and a.busy_poll_ms else []
     args = ["--max-batch-size", str(max(batches)), "--num-draft", str(a.gamma), *poll]
     with contextlib.ExitStack() as stack:
-        coord = stack.enter_context(coordinator(target, draft, log_dir, args))
+        coord = stack.enter_context(coordinator(target, draft, log_dir, [*args, "--pipeline", "off"]))
         pipe = None
         if a.pipeline and draft is not None:
             # A second coordinator with --pipeline over the same servers, idle while the first
             # runs (and the other way round): the third pass of each batch size.
             (log_dir / "pipeline").mkdir(parents=True, exist_ok=True)
-            pipe = stack.enter_context(coordinator(target, draft, log_dir / "pipeline", [*args, "--pipeline"]))
+            pipe = stack.enter_context(coordinator(target, draft, log_dir / "pipeline", [*args, "--pipeline", "on"]))
         used = prompts[:max(b * a.waves for b in batches)]
         # Warm-up over every prompt: eager prefill shapes compile their Triton kernels here. Then
         # both modes at the largest batch for two waves, so that steps mixing a joining request's

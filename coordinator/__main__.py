@@ -54,15 +54,16 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                    help="after each step the event loop polls instead of sleeping for this long, so "
                         "server answers are read without a thread wake-up (one busy core while "
                         "serving; 20 suits GPU servers; default 0 = off)")
-    p.add_argument("--pipeline", nargs="?", const="on", default="off", choices=("on", "off"),
+    p.add_argument("--pipeline", nargs="?", const="on", default=d["pipeline"].default,
+                   choices=("auto", "on", "off"),
                    help="pipelined speculation: while the target verifies a step, the draft drafts the "
                         "next one for its greedy sequences, as if all drafts and its guess of the "
                         "target's bonus token were accepted; steps where they were need no Propose. "
-                        "For a draft on its own GPU (on the target's GPU the two share it and it is "
-                        "slower); `--pipeline` alone is on")
+                        "It pays with the draft on a GPU of its own (on the target's GPU the two "
+                        "share it and it is slower): auto (default) turns it on when the servers "
+                        "report different GPUs; `--pipeline` alone is on")
     p.add_argument("--log-level", default="INFO")
     args = vars(p.parse_args(argv))
-    args["pipeline"] = args["pipeline"] == "on"
     logging.basicConfig(level=args.pop("log_level").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return CoordinatorConfig(**args)

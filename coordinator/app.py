@@ -26,6 +26,15 @@ class IncompatibleModels(RuntimeError):
     """Draft, target and the coordinator's tokenizer do not share one vocabulary."""
 
 
+def pipeline_enabled(mode: str, target: pb.ModelInfo, draft: pb.ModelInfo | None) -> bool:
+    """--pipeline: on, off, or auto: on when both servers report their GPUs and none is shared
+    (a draft on the target's GPU would take device time from the verify it overlaps)."""
+    if mode != "auto":
+        return mode == "on"
+    return (draft is not None and bool(target.device_uuids) and bool(draft.device_uuids)
+            and not set(target.device_uuids) & set(draft.device_uuids))
+
+
 def check_draft_compatible(target: pb.ModelInfo, draft: pb.ModelInfo) -> None:
     problems = []
     if target.vocab_size != draft.vocab_size:
@@ -71,6 +80,7 @@ class Coordinator:
                              vocab_size=target_info.vocab_size,
                              draft_max_len=draft_info.max_model_len if draft_info else 0,
                              check_draft=self._check_draft if draft else None)
+        self._set_pipeline(draft_info)
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
         self.failure: str | None = None  # set when the step loop died: no request can be served
@@ -107,9 +117,18 @@ class Coordinator:
             coord.loop.set_draft_down("not reachable at start-up")
         return coord
 
+    def _set_pipeline(self, draft_info: pb.ModelInfo | None) -> None:
+        on = pipeline_enabled(self.config.pipeline, self.target_info, draft_info)
+        if on != self.loop.pipeline or self.config.pipeline == "auto":
+            log.info("pipelined speculation %s (--pipeline %s; target GPUs %s, draft GPUs %s)",
+                     "on" if on else "off", self.config.pipeline, list(self.target_info.device_uuids) or "-",
+                     list(draft_info.device_uuids) or "-" if draft_info else "-")
+        self.loop.pipeline = on
+
     async def _check_draft(self) -> None:
         info = await self.draft.info(timeout=2.0)
         check_draft_compatible(self.target_info, info)
+        self._set_pipeline(info)  # a draft back after a restart may be on another GPU
         if self.draft_info is None:
             self.draft_info = info
             self.scheduler.draft = _capacity("draft", info)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GAMMA_POLICIES = ("fixed", "auto")
+PIPELINE_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -31,7 +32,7 @@ class CoordinatorConfig:
     draft_retry_s: float = 5.0        # how often a lost draft server is tried again
     grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long
     busy_poll_ms: float = 0.0         # the loop polls instead of sleeping this long after each step
-    pipeline: bool = False            # greedy sequences draft their next step while the target verifies
+    pipeline: str = "auto"            # pipelined speculation: on, off, auto (on when the draft has its own GPU)
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -51,6 +52,8 @@ class CoordinatorConfig:
             raise ConfigError(f"num_draft must be in 0..max_num_draft ({self.max_num_draft}), got {self.num_draft}")
         if self.gamma_policy not in GAMMA_POLICIES:
             raise ConfigError(f"gamma_policy: expected one of {GAMMA_POLICIES}, got {self.gamma_policy!r}")
+        if self.pipeline not in PIPELINE_MODES:
+            raise ConfigError(f"pipeline: expected one of {PIPELINE_MODES}, got {self.pipeline!r}")
         if self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms must be >= 0, got {self.busy_poll_ms}")
         for name in ("connect_timeout_s", "target_timeout_s", "draft_timeout_s", "draft_retry_s", "grace_s"):

@@ -85,6 +85,7 @@ class SpecLoop:
         self.draft_orphans: set[int] = set()  # to release on the draft once it is reachable again
         self._release_retry_s = RELEASE_RETRY_S[0]
         self.busy_poll = BusyPoll(config.busy_poll_ms / 1e3)  # specdec/busy_poll.py
+        self.pipeline = config.pipeline == "on"  # the coordinator resolves "auto" (pipeline_enabled)
 
     # --- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -171,7 +172,7 @@ class SpecLoop:
             window = stats.window()
             self._policy_inputs = (window.alpha, stats.c.get(bucket_for(len(seqs), stats.buckets), window.c))
         plans = [self._plan(seq, len(seqs)) for seq in seqs]
-        if self.config.pipeline:
+        if self.pipeline:
             self._take_ahead(plans)
         t0 = time.perf_counter()
         draft_timing = await self._propose(plans)
@@ -186,8 +187,7 @@ class SpecLoop:
                 request.seqs[-1].draft_probs.CopyFrom(p.probs)  # as received: exactness
         sched.release_target.clear()
         # Pipelined: the draft drafts the next step while the target verifies this one.
-        ahead = (asyncio.create_task(self._extend(plans, len(seqs))) if self.config.pipeline and self.draft_up
-                 else None)
+        ahead = asyncio.create_task(self._extend(plans, len(seqs))) if self.pipeline and self.draft_up else None
         try:
             await self._verify(plans, request, seqs, started, t0, t1, draft_timing, ahead)
         finally:

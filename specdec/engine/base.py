@@ -6,6 +6,7 @@ Engines are synchronous and not thread-safe; the servers call them from one exec
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -25,6 +26,16 @@ from specdec.engine.timing import DecodeProfile, ForwardClock
 from specdec.engine.types import Code, ModelInfo, SeqError, SeqFailure
 
 log = logging.getLogger("specdec.engine")
+
+
+@functools.lru_cache(maxsize=None)
+def device_uuids(device: torch.device) -> tuple[str, ...]:
+    """The GPU's UUID (the physical device, also inside a container that renumbers it), or ()
+    on the CPU or where torch does not report one."""
+    if device.type != "cuda":
+        return ()
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return (str(uuid),) if uuid else ()
 
 WARMUP_CONTEXT = 16  # tokens of context behind the timed single-token forward
 # Prefill shapes run at start-up on CUDA (capped by max_model_len and the free KV). Powers of two:
@@ -152,7 +163,8 @@ class ModelEngine:
             kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free,
             block_size=blocks.block_size, device=str(self.device),
             dtype=str(self.config.dtype).removeprefix("torch."), eos_token_ids=mc.eos_token_ids,
-            num_sequences=self.num_sequences(), tensor_parallel_size=1)
+            num_sequences=self.num_sequences(), tensor_parallel_size=1,
+            device_uuids=device_uuids(self.device))
 
     # --- validation --------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], field: str) -> None:

@@ -107,3 +107,4 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     num_sequences: int
     tensor_parallel_size: int = 1
+    device_uuids: tuple[str, ...] = ()

@@ -87,3 +87,16 @@ def test_gemv_kernels_default_on_and_the_switch_off(tmp_path):
         engine = TargetEngine(EngineConfig(model=target_path, device="cuda", dtype=torch.bfloat16,
                                            num_blocks=64, cuda_graphs=False, gemv_kernels=flag))
         assert engine.runner.model.gemv_kernels is want
+
+
+def test_info_names_the_gpu(tmp_path):
+    """Info's device_uuids: what the coordinator's --pipeline auto compares (a GPU's UUID, the
+    same for every process and container that uses it, and different for another GPU)."""
+    from specdec.engine.base import device_uuids
+    target_path, _ = make_pair(tmp_path)
+    engine = TargetEngine(EngineConfig(model=target_path, device="cuda", num_blocks=16, block_size=16,
+                                       warmup_batch_sizes=(1,)))
+    uuids = engine.info().device_uuids
+    assert len(uuids) == 1 and uuids[0] and uuids == device_uuids(torch.device("cuda", 0))
+    if torch.cuda.device_count() > 1:
+        assert device_uuids(torch.device("cuda", 1)) != uuids

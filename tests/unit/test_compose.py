@@ -177,7 +177,7 @@ def test_commands_are_accepted_by_the_real_command_lines(variant):
         if name == "coordinator":
             config = parse_args(command[3:])
             assert (config.port, config.metrics_port) == (50050, METRICS_PORTS[name])
-            assert config.pipeline is (variant == "defaults")  # the draft on a GPU of its own
+            assert config.pipeline == "auto"  # on only where the servers report different GPUs
         else:
             config, metrics_port, _ = config_from_args(name, command[3:])
             assert config.engine.device == "cuda:0" and metrics_port == METRICS_PORTS[name]

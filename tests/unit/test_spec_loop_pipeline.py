@@ -22,7 +22,7 @@ def noisy(ctx: list[int]) -> int:
 
 def run(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.0, 0.7), pipeline=True, max_new=NEW):
     async def main():
-        loop, sched, target = make_loop(draft, pipeline=pipeline)
+        loop, sched, target = make_loop(draft, pipeline="on" if pipeline else "off")
         task = asyncio.create_task(loop.run())
         tok = tokenizer(tmp_path)
         seqs = [new_seq(tok, i + 1, t, max_new_tokens=max_new) for i, t in enumerate(temperatures)]
@@ -104,3 +104,17 @@ def test_draft_failing_during_extend_degrades_to_plain(tmp_path):
     for tokens, end in results:
         assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
     assert not target.violations and not draft.violations
+
+
+def test_auto_pipelines_only_a_draft_on_a_gpu_of_its_own():
+    from coordinator.app import pipeline_enabled
+
+    def info(*uuids):
+        return pb.ModelInfo(device_uuids=list(uuids))
+    gpu0, gpu1 = "GPU-0b5c", "GPU-77aa"
+    assert pipeline_enabled("auto", info(gpu0), info(gpu1))
+    assert not pipeline_enabled("auto", info(gpu0), info(gpu0))   # one GPU shared (the compose one-GPU variant)
+    assert not pipeline_enabled("auto", info(gpu0, gpu1), info(gpu1))  # the draft on a target rank's GPU
+    assert not pipeline_enabled("auto", info(), info())            # CPU servers report no GPU
+    assert not pipeline_enabled("auto", info(gpu0), None)          # no draft (yet)
+    assert pipeline_enabled("on", info(), info()) and not pipeline_enabled("off", info(gpu0), info(gpu1))
