@@ -80,7 +80,8 @@ class Coordinator:
                              vocab_size=target_info.vocab_size,
                              draft_max_len=draft_info.max_model_len if draft_info else 0,
                              check_draft=self._check_draft if draft else None)
-        self._set_pipeline(draft_info)
+        self.loop.target_max_num_draft = target_info.max_num_draft
+        self._apply_draft_info(draft_info)
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
         self.failure: str | None = None  # set when the step loop died: no request can be served
@@ -117,7 +118,10 @@ class Coordinator:
             coord.loop.set_draft_down("not reachable at start-up")
         return coord
 
-    def _set_pipeline(self, draft_info: pb.ModelInfo | None) -> None:
+    def _apply_draft_info(self, draft_info: pb.ModelInfo | None) -> None:
+        """The loop's draft limit (--max-num-draft) and whether it pipelines (--pipeline)."""
+        if draft_info is not None:
+            self.loop.draft_max_num_draft = draft_info.max_num_draft
         on = pipeline_enabled(self.config.pipeline, self.target_info, draft_info)
         if on != self.loop.pipeline or self.config.pipeline == "auto":
             log.info("pipelined speculation %s (--pipeline %s; target GPUs %s, draft GPUs %s)",
@@ -128,7 +132,7 @@ class Coordinator:
     async def _check_draft(self) -> None:
         info = await self.draft.info(timeout=2.0)
         check_draft_compatible(self.target_info, info)
-        self._set_pipeline(info)  # a draft back after a restart may be on another GPU
+        self._apply_draft_info(info)  # a draft back after a restart may be on another GPU
         if self.draft_info is None:
             self.draft_info = info
             self.scheduler.draft = _capacity("draft", info)

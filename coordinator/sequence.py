@@ -95,6 +95,7 @@ class Sequence:
     draft_pending: list[int] = field(default_factory=list)
     draft_prop: list[int] = field(default_factory=list)
     draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
+    pipeline_refused: bool = False    # the draft refused an extension: no more pipelining for it
     # accounting
     reserved_target: int = 0          # KV blocks promised by the scheduler
     reserved_draft: int = 0

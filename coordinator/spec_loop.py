@@ -77,6 +77,8 @@ class SpecLoop:
         self.target, self.draft = target, draft
         self.vocab_size = vocab_size
         self.draft_max_len = draft_max_len
+        # The servers' --max-num-draft (ModelInfo.max_num_draft; 0: not known): no step asks more.
+        self.draft_max_num_draft = self.target_max_num_draft = 0
         self.draft_up = draft is not None
         self._check_draft = check_draft  # async callable: Info + compatibility, raises when not
         self._probe: asyncio.Task | None = None
@@ -162,6 +164,9 @@ class SpecLoop:
         k = min(k, seq.remaining - 1)
         if self.draft_max_len:
             k = min(k, self.draft_max_len - seq.num_tokens)
+        for limit in (self.draft_max_num_draft, self.target_max_num_draft):
+            if limit:
+                k = min(k, limit)
         return max(k, 0)
 
     async def _step(self, seqs: list[Sequence], started: float) -> None:
@@ -306,7 +311,7 @@ class SpecLoop:
     def _pipelined(self, seq: Sequence) -> bool:
         # Greedy only: a sampled sequence's drafts need the distributions they were drawn from
         # (a pipelined proposal's rows would have to be split between two steps).
-        return (seq.use_draft and seq.draft_holds and not seq.draft_resync
+        return (seq.use_draft and seq.draft_holds and not seq.draft_resync and not seq.pipeline_refused
                 and seq.params.sampling.temperature == 0)
 
     def _take_ahead(self, plans: list[Plan]) -> None:
@@ -336,6 +341,8 @@ class SpecLoop:
             k = min(self._num_draft(seq, batch) + 1, seq.remaining - 1 - unconfirmed)
             if self.draft_max_len:
                 k = min(k, self.draft_max_len - seq.num_tokens - unconfirmed)
+            if self.draft_max_num_draft:
+                k = min(k, self.draft_max_num_draft)
             if k < 2:  # a guess and at least one draft
                 continue
             request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep, num_draft=k,
@@ -357,6 +364,14 @@ class SpecLoop:
         for (seq, k), r in zip(extending, response.results):
             if seq.done:
                 continue  # finished meanwhile: released at the next draft call
+            if r.error.code and r.error.code != NOT_FOUND:
+                # The draft refused the extension and kept its state: the sequence's drafts come
+                # from Propose from now on, and it keeps speculating.
+                self.metrics.count_error(status_from_code(r.error.code).name)
+                log.warning("draft refused to extend sequence %d (%s); not pipelining it", seq.seq_id,
+                            r.error.message)
+                seq.pipeline_refused = True
+                continue
             proposal = self._proposal(seq, r, k)
             if proposal is not None:
                 seq.draft_proposed(proposal[0], extend=True)

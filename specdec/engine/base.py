@@ -164,7 +164,7 @@ class ModelEngine:
             block_size=blocks.block_size, device=str(self.device),
             dtype=str(self.config.dtype).removeprefix("torch."), eos_token_ids=mc.eos_token_ids,
             num_sequences=self.num_sequences(), tensor_parallel_size=1,
-            device_uuids=device_uuids(self.device))
+            device_uuids=device_uuids(self.device), max_num_draft=self.config.max_num_draft)
 
     # --- validation --------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], field: str) -> None:

@@ -108,3 +108,4 @@ class ModelInfo:
     num_sequences: int
     tensor_parallel_size: int = 1
     device_uuids: tuple[str, ...] = ()
+    max_num_draft: int = 0

@@ -130,6 +130,7 @@ def test_info(servers):
         assert info.kv_blocks_total == 64 and info.block_size == 8 and info.max_model_len == 512
         assert info.device == "cpu" and info.dtype == "float32" and list(info.eos_token_ids) == [0]
         assert info.tensor_parallel_size == 1
+        assert info.max_num_draft == 16 and list(info.device_uuids) == []  # the default; no GPU
     assert d.tokenizer_fingerprint == t.tokenizer_fingerprint == tokenizer_fingerprint(servers["target_path"])
     assert d.model_name == str(servers["draft_path"])
 

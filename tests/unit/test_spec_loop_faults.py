@@ -126,25 +126,41 @@ class FakeDraft(FakeServer):
     """Drafts draft_model()'s continuation (model()'s by default, so it is accepted), then applies
     `spoil` to the result. Holds (confirmed tokens, proposal) per sequence, as the real draft."""
 
-    def __init__(self, spoil=None, draft_model=model, delay: float = 0.0):
+    def __init__(self, spoil=None, draft_model=model, delay: float = 0.0, max_num_draft: int = 0):
         super().__init__("draft")
         self.spoil = spoil
         self.draft_model = draft_model
         self.delay = delay  # seconds each step takes (a draft slower than the target's answer)
+        self.max_num_draft = max_num_draft  # > 0: more is refused (INVALID_ARGUMENT), as the engine does
         self.proposals: dict[int, tuple[list[int], list[int]]] = {}
         self.requests: list[pb.ProposeRequest] = []
         self.violations: list[str] = []
+        self.longest: dict[int, int] = {}  # per sequence: the most tokens it held (KV reservation)
+        self.in_flight = 0
 
     async def step(self, request: pb.ProposeRequest, timeout=None) -> pb.ProposeResponse:
         self.requests.append(request)
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        self.in_flight += 1
+        try:
+            if self.in_flight > 1:
+                self.violations.append(f"step {request.step} sent while another was in flight")
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            return self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    def _answer(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
         for i in request.release:
             self.held.pop(i, None)
             self.proposals.pop(i, None)
         response = pb.ProposeResponse(step=request.step)
         for s in request.seqs:
             r = response.results.add(seq_id=s.seq_id)
+            if self.max_num_draft and s.num_draft > self.max_num_draft:
+                r.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                r.error.message = f"num_draft: {s.num_draft} outside 0..{self.max_num_draft}"
+                continue
             if s.first:
                 ctx, rest = [], []
             elif s.seq_id in self.held:
@@ -164,6 +180,7 @@ class FakeDraft(FakeServer):
             for _ in range(s.num_draft):
                 tokens.append(self.draft_model(ctx + rest + tokens))
             self.proposals[s.seq_id] = (ctx, rest + tokens)
+            self.longest[s.seq_id] = max(self.longest.get(s.seq_id, 0), len(ctx + rest + tokens))
             r.tokens = pack_ids(tokens)
             if s.sampling.temperature > 0:
                 r.probs.CopyFrom(one_hot(tokens))

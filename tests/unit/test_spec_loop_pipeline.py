@@ -11,8 +11,9 @@ import pytest
 
 from coordinator.sequence import Finish
 from protos import specdec_pb2 as pb
-from tests.unit.test_spec_loop_faults import (NEW, PROMPT, V, FakeDraft, collect, make_loop, model, new_seq,
-                                              plain_greedy, rpc_error, tokenizer, until)
+from protos.wire import unpack_ids
+from tests.unit.test_spec_loop_faults import (NEW, PROMPT, V, FakeDraft, FakeTarget, collect, make_loop, model,
+                                              new_seq, plain_greedy, rpc_error, tokenizer, until)
 
 
 def noisy(ctx: list[int]) -> int:
@@ -20,9 +21,9 @@ def noisy(ctx: list[int]) -> int:
     return model(ctx) if len(ctx) % 9 else (model(ctx) + 1) % V
 
 
-def run(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.0, 0.7), pipeline=True, max_new=NEW):
+def run(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.0, 0.7), pipeline=True, max_new=NEW, target=None):
     async def main():
-        loop, sched, target = make_loop(draft, pipeline="on" if pipeline else "off")
+        loop, sched, target_ = make_loop(draft, target, pipeline="on" if pipeline else "off")
         task = asyncio.create_task(loop.run())
         tok = tokenizer(tmp_path)
         seqs = [new_seq(tok, i + 1, t, max_new_tokens=max_new) for i, t in enumerate(temperatures)]
@@ -30,10 +31,10 @@ def run(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.0, 0.7), pipeline=True,
             sched.submit(seq)
         try:
             results = await asyncio.gather(*(collect(s) for s in seqs))
-            await until(lambda: not draft.held and not target.held)  # everything released
+            await until(lambda: not draft.held and not target_.held)  # everything released
         finally:
             task.cancel()
-        return results, seqs, target, loop
+        return results, seqs, target_, loop
     return asyncio.run(main())
 
 
@@ -75,35 +76,213 @@ def test_pipeline_off_sends_no_extend(tmp_path):
     assert not any(s.extend for r in draft.requests for s in r.seqs) and pipelined_steps(loop) == 0
 
 
-def test_short_budget_does_not_extend_past_it(tmp_path):
-    # 3 new tokens: the first step may emit all of them; an extension would only waste draft KV.
+def test_extensions_stay_within_the_request_budget(tmp_path):
+    # 8 new tokens, γ = 4: the first step may emit 5, so the extension beside it may hold at most
+    # 8 - 1 - 4 = 3 more tokens; the draft's KV stays within the scheduler's reservation.
     draft = FakeDraft()
-    results, _, _, _ = run(tmp_path, draft, temperatures=(0.0,), max_new=3)
-    assert results[0][0] == plain_greedy(PROMPT, 3)
-    for r in draft.requests:
-        for s in r.seqs:
-            assert not s.extend or s.num_draft <= 2
+    results, _, _, _ = run(tmp_path, draft, temperatures=(0.0,), max_new=8)
+    assert results[0][0] == plain_greedy(PROMPT, 8)
+    extends = [s.num_draft for r in draft.requests for s in r.seqs if s.extend]
+    assert extends and min(extends) < 5  # an extension was cut short
+    assert draft.longest[1] <= len(PROMPT) + 8 - 1
+    assert not draft.violations
 
 
-def test_draft_failing_during_extend_degrades_to_plain(tmp_path):
-    """The draft server fails on an extend: the step still completes from the target's answer,
-    speculation stops (the draft is probed again), and the output is exact."""
+def test_extensions_ask_no_more_than_the_draft_server_takes(tmp_path):
+    """The draft server's --max-num-draft (its Info) bounds every Propose, extensions included:
+    γ = 4 and a limit of 4 make the extension 4 long (a guess + 3), not 5."""
+    draft = FakeDraft(max_num_draft=4)
+
+    async def main():
+        loop, sched, target = make_loop(draft, pipeline="on")
+        loop.draft_max_num_draft = 4
+        task = asyncio.create_task(loop.run())
+        seq = new_seq(tokenizer(tmp_path), 1)
+        sched.submit(seq)
+        try:
+            out = await collect(seq)
+        finally:
+            task.cancel()
+        return out, seq, loop
+    (tokens, end), seq, loop = asyncio.run(main())
+    assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+    sizes = {s.num_draft for r in draft.requests for s in r.seqs if s.extend}
+    assert sizes and max(sizes) == 4 and seq.use_draft and not seq.pipeline_refused
+    assert pipelined_steps(loop) > 0 and not draft.violations
+
+
+def test_a_refused_extension_stops_pipelining_not_speculation(tmp_path):
+    """A draft that refuses extensions (here: a limit the coordinator was not told): the sequence
+    drafts through Propose from then on, and its output is exact."""
+    draft = FakeDraft(max_num_draft=4)
+    (results, seqs, target, loop) = run(tmp_path, draft, temperatures=(0.0,))
+    tokens, end = results[0]
+    assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+    seq = seqs[0]
+    assert seq.pipeline_refused and seq.use_draft and pipelined_steps(loop) == 0
+    extends = [r for r in draft.requests if any(s.extend for s in r.seqs)]
+    assert len(extends) == 1  # refused once, never asked again
+    assert target.accepted > 0 and not draft.violations
+
+
+@pytest.mark.parametrize("after_apply", [False, True], ids=["before", "after_applying"])
+def test_draft_failing_during_extend_degrades_and_recovers(tmp_path, after_apply):
+    """The draft server's call fails during an extension, before or after it applied it (a
+    timeout after the work): the step still completes from the target's answer, the draft is
+    taken down and probed, and speculation resumes with the sequences sent afresh; exact output."""
     class FailingOnExtend(FakeDraft):
-        failed = False
+        failed_at = None
 
         async def step(self, request: pb.ProposeRequest, timeout=None):
-            if not self.failed and any(s.extend for s in request.seqs) and len(self.requests) > 3:
-                self.failed = True
-                self.requests.append(request)
+            if self.failed_at is None and any(s.extend for s in request.seqs) and len(self.requests) > 3:
+                self.failed_at = len(self.requests)
+                if after_apply:
+                    await super().step(request, timeout)
+                else:
+                    self.requests.append(request)
                 raise rpc_error()
             return await super().step(request, timeout)
 
+    class SlowTarget(FakeTarget):  # 400 steps take longer than the draft's probe (every 50 ms)
+        async def step(self, request, timeout=None):
+            await asyncio.sleep(0.001)
+            return await super().step(request, timeout)
+
     draft = FailingOnExtend(draft_model=noisy)
-    results, _, target, _ = run(tmp_path, draft, temperatures=(0.0, 0.0))
-    assert draft.failed
+    results, _, target, loop = run(tmp_path, draft, temperatures=(0.0, 0.0), max_new=400, target=SlowTarget())
+    assert draft.failed_at is not None
+    for tokens, end in results:
+        assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, 400)
+    later = draft.requests[draft.failed_at:]
+    firsts = [s.seq_id for r in later for s in r.seqs if s.first]
+    assert sorted(firsts) == [1, 2]  # after the probe, both sent afresh (the draft's state unknown)
+    assert any(s.extend for r in later for s in r.seqs)  # and pipelined again
+    assert loop.draft_up and not target.violations and not draft.violations
+
+
+def test_target_failing_while_an_extension_is_in_flight(tmp_path):
+    """The target's call fails while the draft still works on the step's extension: the loop
+    waits for the extension before the next step's draft call (one call at a time on the draft's
+    stream), resends the sequences to the target, and the output is exact."""
+    class FailingOnce(FakeTarget):
+        calls = 0
+
+        async def step(self, request, timeout=None):
+            self.calls += 1
+            if self.calls == 4:
+                raise rpc_error()
+            return await super().step(request, timeout)
+
+    draft = FakeDraft(delay=0.003)
+    results, seqs, target, _ = run(tmp_path, draft, temperatures=(0.0, 0.0), target=FailingOnce())
+    assert target.calls > 4
     for tokens, end in results:
         assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
-    assert not target.violations and not draft.violations
+    assert not draft.violations and not target.violations
+
+
+class Chaos(FakeDraft):
+    """A draft that checks the coordinator's mirror on every message (the context a message
+    implies must be the sequence's confirmed tokens), and fails in every way the loop handles."""
+
+    def __init__(self, rng, seqs, **kw):
+        super().__init__(**kw)
+        self.rng, self.seqs = rng, seqs
+        self.fail_p = self.lose_p = 0.0
+        self.calls = 0
+
+    async def step(self, request: pb.ProposeRequest, timeout=None):
+        self.calls += 1
+        try:
+            if self.calls > 1:
+                self.violations.append(f"step {request.step} sent while another call was in flight")
+            return await self._chaos_step(request, timeout)
+        finally:
+            self.calls -= 1
+
+    async def _chaos_step(self, request: pb.ProposeRequest, timeout=None):
+        for s in request.seqs:
+            seq = self.seqs[s.seq_id]
+            if s.first or s.seq_id not in self.held:
+                continue
+            before, proposal = self.proposals.get(s.seq_id, (self.held[s.seq_id], []))
+            implied = before + proposal[:s.keep] + unpack_ids(s.new_tokens)
+            truth = list(PROMPT) + seq.output
+            # An extension is built before the target's answer is applied: a prefix of the truth.
+            if implied != truth[:len(implied)] or (not s.extend and implied != truth):
+                self.violations.append(f"seq {s.seq_id}: draft context {len(implied)} tokens, "
+                                       f"confirmed {len(truth)}")
+        if self.rng.random() < self.lose_p:  # the server restarted: it holds nothing
+            self.held.clear()
+            self.proposals.clear()
+        if self.rng.random() < self.fail_p:
+            if self.rng.random() < 0.5:
+                await super().step(request, timeout)  # applied, then the call failed
+            else:
+                self.requests.append(request)
+            raise rpc_error()
+        if self.rng.random() < 0.5:
+            await asyncio.sleep(self.rng.choice([0.0, 0.001, 0.003]))
+        return await super().step(request, timeout)
+
+
+class ChaosTarget(FakeTarget):
+    def __init__(self, rng):
+        super().__init__()
+        self.rng = rng
+        self.fail_p = self.lose_p = 0.0
+
+    async def step(self, request: pb.VerifyRequest, timeout=None):
+        if self.rng.random() < self.fail_p:
+            await asyncio.sleep(self.rng.choice([0.0, 0.002]))  # the extension may be in flight
+            raise rpc_error()
+        if self.rng.random() < self.lose_p and request.seqs:
+            self.held.pop(self.rng.choice(list(request.seqs)).seq_id, None)
+        if self.rng.random() < 0.5:
+            await asyncio.sleep(self.rng.choice([0.0, 0.001, 0.002]))
+        return await super().step(request, timeout)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pipelined_loop_under_faults_keeps_the_draft_in_step(tmp_path, seed):
+    """Random batches, budgets, batch limits and delays; the draft and target fail, restart and
+    lose sequences; a request may be cancelled. Every draft message implies exactly the confirmed
+    tokens, no two draft calls overlap, every finished output is plain greedy decoding, nothing
+    hangs and every KV block is released."""
+    import random
+    rng = random.Random(seed)
+
+    async def main():
+        seqs = {}
+        draft = Chaos(rng, seqs, draft_model=rng.choice([model, noisy]), max_num_draft=rng.choice([0, 5, 8]))
+        draft.fail_p, draft.lose_p = rng.choice([0.0, 0.04]), rng.choice([0.0, 0.03])
+        target = ChaosTarget(rng)
+        target.fail_p, target.lose_p = rng.choice([0.0, 0.03]), rng.choice([0.0, 0.03])
+        loop, sched, _ = make_loop(draft, target, pipeline="on", spec_max_batch=rng.choice([0, 2, 3]),
+                                   prefill_chunk=rng.choice([2, 512]))
+        loop.draft_max_num_draft = draft.max_num_draft
+        task = asyncio.create_task(loop.run())
+        tok = tokenizer(tmp_path)
+        batch = [new_seq(tok, i + 1, rng.choice([0.0, 0.0, 0.7]), max_new_tokens=rng.choice([1, 3, 8, 24, 40]))
+                 for i in range(rng.randint(1, 5))]
+        for seq in batch:
+            seqs[seq.seq_id] = seq
+            sched.submit(seq)
+        # A client that goes away: the request is cancelled and its stream gets nothing more.
+        cancelled = batch.pop() if len(batch) > 1 and rng.random() < 0.3 else None
+        if cancelled is not None:
+            asyncio.get_running_loop().call_later(rng.random() * 0.01, sched.cancel, cancelled)
+        try:
+            results = await asyncio.gather(*(collect(s, timeout=5) for s in batch))
+            await until(lambda: not draft.held and not target.held)
+        finally:
+            task.cancel()
+        return batch, results, draft, target
+    batch, results, draft, target = asyncio.run(main())
+    for seq, (tokens, end) in zip(batch, results):
+        if isinstance(end, Finish):  # (an Abort: a server lost it more often than it may)
+            assert tokens == plain_greedy(PROMPT, seq.params.max_new_tokens)
+    assert not draft.violations and not target.violations
 
 
 def test_auto_pipelines_only_a_draft_on_a_gpu_of_its_own():
