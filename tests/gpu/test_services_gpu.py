@@ -97,3 +97,6 @@ def test_services_on_cuda_greedy_speculative_equals_plain(tmp_path, draft_device
         for role in ("target", "draft"):
             captured, replayed = _graph_log(tmp_path / f"{role}_server.log")
             assert captured > 0 and replayed > 0, role
+        # --pipeline auto: pipelined speculation with the draft on a GPU of its own, not on a shared one
+        decided = re.findall(r"pipelined speculation (on|off)", (tmp_path / "coordinator.log").read_text())
+        assert decided and decided[-1] == ("on" if draft_device == "cuda:1" else "off")
