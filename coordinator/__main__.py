@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--pipeline", nargs="?", const="on", default=d["pipeline"].default,
                    choices=("auto", "on", "off"),
                    help="pipelined speculation: while the target verifies a step, the draft drafts the "
-                        "next one for its greedy sequences, as if all drafts and its guess of the "
+                        "next one, as if all drafts and its guess of the "
                         "target's bonus token were accepted; steps where they were need no Propose. "
                         "It pays with the draft on a GPU of its own (on the target's GPU the two "
                         "share it and it is slower): auto (default) turns it on when the servers "

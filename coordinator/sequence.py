@@ -94,6 +94,7 @@ class Sequence:
     draft_keep: int = 0
     draft_pending: list[int] = field(default_factory=list)
     draft_prop: list[int] = field(default_factory=list)
+    draft_prop_probs: list = field(default_factory=list)  # per proposed token its pb.Probs row (sampled)
     draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
     pipeline_refused: bool = False    # the draft refused an extension: no more pipelining for it
     # accounting
@@ -177,11 +178,17 @@ class Sequence:
             text += self._detok.flush()
         return Chunk(text, taken, finish)
 
-    def draft_proposed(self, tokens: list[int], extend: bool = False) -> None:
+    def draft_proposed(self, tokens: list[int], extend: bool = False, rows: list | None = None) -> None:
         """The draft took this step's keep and pending and drafted `tokens` after them (after the
-        proposal's unconfirmed rest when `extend`d). Until tokens are confirmed, keep is 0: a lost
-        verify discards nothing that was not confirmed."""
-        self.draft_prop = (self.draft_prop[self.draft_keep:] if extend else []) + list(tokens)
+        proposal's unconfirmed rest when `extend`d); rows: the distribution of each (a sampled
+        sequence's single-row pb.Probs, coordinator/proposals.probs_rows). Until tokens are
+        confirmed, keep is 0: a lost verify discards nothing that was not confirmed."""
+        rows = list(rows) if rows is not None else [None] * len(tokens)
+        if extend:
+            self.draft_prop = self.draft_prop[self.draft_keep:] + list(tokens)
+            self.draft_prop_probs = self.draft_prop_probs[self.draft_keep:] + rows
+        else:
+            self.draft_prop, self.draft_prop_probs = list(tokens), rows
         self.draft_keep, self.draft_pending = 0, []
 
     def draft_confirm(self, tokens: list[int]) -> None:
@@ -199,9 +206,13 @@ class Sequence:
         asking the draft (empty unless the proposal is still on track)."""
         return [] if self.draft_pending else self.draft_prop[self.draft_keep:]
 
+    def draft_ahead_rows(self, n: int) -> list:
+        """The distributions of the first n of draft_ahead (None for a token drafted greedily)."""
+        return self.draft_prop_probs[self.draft_keep:self.draft_keep + n]
+
     def restart_draft(self) -> None:
         """The draft server forgot this sequence: send it everything as a new sequence."""
-        self.draft_keep, self.draft_prop = 0, []
+        self.draft_keep, self.draft_prop, self.draft_prop_probs = 0, [], []
         self.draft_pending = list(self.params.prompt_ids) + self.output
 
     def restart_target(self) -> None:

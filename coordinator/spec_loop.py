@@ -30,7 +30,7 @@ import grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.gamma import choose_num_draft
-from coordinator.proposals import BadProposal, checked_proposal
+from coordinator.proposals import BadProposal, checked_proposal, probs_join, probs_rows
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Abort, Sequence
 from coordinator.servers import ModelServer, status_from_code
@@ -276,7 +276,7 @@ class SpecLoop:
                 p.num_draft = 0
                 continue
             p.drafts, p.probs = proposal
-            p.seq.draft_proposed(p.drafts)
+            p.seq.draft_proposed(p.drafts, rows=self._rows(p.seq, p.probs))
         return response.timing
 
     def _proposal(self, seq: Sequence, r: pb.DraftResult, num_draft: int):
@@ -309,10 +309,12 @@ class SpecLoop:
 
     # --- pipelined speculation (--pipeline) --------------------------------------------------
     def _pipelined(self, seq: Sequence) -> bool:
-        # Greedy only: a sampled sequence's drafts need the distributions they were drawn from
-        # (a pipelined proposal's rows would have to be split between two steps).
-        return (seq.use_draft and seq.draft_holds and not seq.draft_resync and not seq.pipeline_refused
-                and seq.params.sampling.temperature == 0)
+        return seq.use_draft and seq.draft_holds and not seq.draft_resync and not seq.pipeline_refused
+
+    def _rows(self, seq: Sequence, probs: pb.Probs | None) -> list | None:
+        """A proposal's distributions split by token, kept only where the loop pipelines (a
+        sampled sequence verifies a pipelined proposal's rows over two steps)."""
+        return probs_rows(probs) if probs is not None and self.pipeline else None
 
     def _take_ahead(self, plans: list[Plan]) -> None:
         """Sequences whose last pipelined proposal is still on track (the target accepted every
@@ -321,15 +323,24 @@ class SpecLoop:
         for p in plans:
             if p.num_draft and self._pipelined(p.seq):
                 ahead = p.seq.draft_ahead[:p.num_draft]
-                if ahead:
-                    p.drafts, p.num_draft, p.ahead = ahead, len(ahead), True
-                    n += 1
+                if not ahead:
+                    continue
+                probs = None
+                if p.seq.params.sampling.temperature > 0:
+                    # The target needs the distribution each draft was drawn from.
+                    rows = p.seq.draft_ahead_rows(len(ahead))
+                    if any(r is None for r in rows):
+                        continue
+                    probs = probs_join(rows)
+                p.drafts, p.num_draft, p.probs, p.ahead = ahead, len(ahead), probs, True
+                n += 1
         self.metrics.count_pipelined(n)
 
     async def _extend(self, plans: list[Plan], batch: int) -> None:
-        """While the target verifies: the draft drafts after each greedy sequence's proposal, its
-        first token a guess of the target's next token and the rest the next step's drafts
-        (Propose with `extend`). Never raises: a failure is the draft failing, as in _propose."""
+        """While the target verifies: the draft drafts after each sequence's proposal, its first
+        token a guess of the target's next token and the rest the next step's drafts (Propose with
+        `extend`; a sampled sequence's come with their distributions, which _take_ahead passes on
+        row by row). Never raises: a failure is the draft failing, as in _propose."""
         sched = self.scheduler
         request = pb.ProposeRequest(step=self._step_no)
         extending = []
@@ -374,7 +385,7 @@ class SpecLoop:
                 continue
             proposal = self._proposal(seq, r, k)
             if proposal is not None:
-                seq.draft_proposed(proposal[0], extend=True)
+                seq.draft_proposed(proposal[0], extend=True, rows=self._rows(seq, proposal[1]))
 
     def _apply(self, p: Plan, r: pb.VerifyResult, confirms: list) -> tuple[int, int, int]:
         """Applies one sequence's verify result; returns its (drafted, accepted, emitted) for the

@@ -101,6 +101,10 @@ class FakeTarget(FakeServer):
                 p = s.draft_probs
                 if (p.rows, p.vocab_size, len(p.values)) != (len(drafts), V, 2 * len(drafts) * V):
                     self.violations.append(f"probs {p.rows} x {p.vocab_size} for {len(drafts)} drafts")
+                else:  # each draft was drawn from its row: its weight there is > 0
+                    w = np.frombuffer(p.values, dtype="<f2").reshape(len(drafts), V)
+                    if any(w[i, d] <= 0 for i, d in enumerate(drafts) if 0 <= d < V):
+                        self.violations.append(f"a draft of {drafts} has no weight in its row")
             elif s.sampling.temperature > 0 and drafts:
                 self.violations.append("sampled drafts without probs")
             if s.partial_prefill:

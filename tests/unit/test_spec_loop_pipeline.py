@@ -2,7 +2,8 @@
 servers of test_spec_loop_faults: while the target verifies a step, the draft extends its
 proposal; a step whose drafts were all accepted and whose next token the draft guessed verifies
 the extension with no Propose. The output stays exactly plain greedy decoding whatever the draft
-guesses, sampled requests are not pipelined, and a draft failing mid-pipeline degrades as usual."""
+guesses, a sampled request's distributions reach the target row by row with its drafts, and a
+draft failing mid-pipeline degrades as usual."""
 from __future__ import annotations
 
 import asyncio
@@ -52,20 +53,21 @@ def test_pipelined_output_is_plain_greedy(tmp_path, draft_model, delay):
         assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
     assert not target.violations and not draft.violations
     extends = [s for r in draft.requests for s in r.seqs if s.extend]
-    assert extends and all(s.seq_id in (1, 2) for s in extends)  # greedy sequences only
+    assert {s.seq_id for s in extends} == {1, 2, 3}  # greedy and sampled (seq 3, temperature 0.7)
     hits = pipelined_steps(loop)
-    steps = sum(seq.steps for seq in seqs[:2])
+    steps = sum(seq.steps for seq in seqs)
     if draft_model is model:
-        # Every guess is right: after the first step, no greedy step waits for a Propose.
-        assert hits == steps - 2
+        # Every guess is right: after the first step, no step waits for a Propose (the sampled
+        # sequence's one-hot rows passed the target's check of rows against drafts).
+        assert hits == steps - 3
         # ... and each of those steps verified the right continuation: nothing was rejected.
         sample = loop.metrics.registry.get_sample_value
         assert sample("specdec_rejections_total") == 0
         assert sample("specdec_accepted_tokens_total") == sample("specdec_draft_tokens_total") > 0
         proposes = [r for r in draft.requests if any(not s.extend for s in r.seqs)]
-        assert all({s.seq_id for s in r.seqs if not s.extend} <= {3} for r in proposes[1:])
+        assert len(proposes) == 1
     else:
-        assert 0 < hits < steps - 2
+        assert 0 < hits < steps - 3
     assert target.accepted > 0
 
 
@@ -283,6 +285,43 @@ def test_pipelined_loop_under_faults_keeps_the_draft_in_step(tmp_path, seed):
         if isinstance(end, Finish):  # (an Abort: a server lost it more often than it may)
             assert tokens == plain_greedy(PROMPT, seq.params.max_new_tokens)
     assert not draft.violations and not target.violations
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_probability_rows_split_and_join_as_received(sparse):
+    """A sampled proposal's distributions are verified over two steps: split into rows, joined
+    again for the next step's drafts, byte for byte, each row still that draft's distribution."""
+    import numpy as np
+    import torch
+
+    from coordinator.proposals import checked_proposal, probs_join, probs_rows
+    from protos.wire import pack_ids
+    from specdec.sampling.transport import decode_probs, encode_probs
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.rand(5, V, generator=gen)
+    w[w < (0.9 if sparse else 0.0)] = 0  # sparse: ~10% nonzero, one row empty but its token's
+    w[2] = 0
+    tokens = [int(row.argmax()) for row in w]
+    w[2, 7] = 1.0
+    tokens[2] = 7
+    enc = encode_probs(w / w.sum(-1, keepdim=True), torch.float16, sparse=sparse)
+    probs = pb.Probs(encoding=pb.ProbsEncoding.Value("PROBS_ENCODING_" + enc.encoding), rows=enc.rows,
+                     vocab_size=enc.vocab_size, values=enc.values, indices=enc.indices,
+                     row_lengths=enc.row_lengths)
+    r = pb.DraftResult(seq_id=1, tokens=pack_ids(tokens), probs=probs)
+    _, checked = checked_proposal(r, 1, 5, V, sampled=True)
+    rows = probs_rows(checked)
+    assert len(rows) == 5 and all(x.rows == 1 for x in rows)
+    whole = decode_probs(probs.values, 5, V, enc.encoding, probs.indices, probs.row_lengths, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        got = decode_probs(row.values, 1, V, enc.encoding, row.indices, row.row_lengths, dtype=torch.float32)
+        assert torch.equal(got[0], whole[i])
+    assert probs_join(rows) == probs
+    tail = probs_join(rows[1:4])  # what a pipelined step sends: the rows after the guess
+    checked_proposal(pb.DraftResult(seq_id=1, tokens=pack_ids(tokens[1:4]), probs=tail), 1, 3, V, sampled=True)
+    assert np.array_equal(decode_probs(tail.values, 3, V, enc.encoding, tail.indices, tail.row_lengths,
+                                       dtype=torch.float32).numpy(), whole[1:4].numpy())
 
 
 def test_auto_pipelines_only_a_draft_on_a_gpu_of_its_own():
