@@ -3,6 +3,9 @@
 Per step (DESIGN section 2): ONE Propose on the draft stream for the sequences that draft this step,
 then ONE Verify on the target stream for all of them (sequences that do not draft verify zero draft
 tokens, which is plain decoding), then each sequence's accepted drafts + next token go to its client.
+With --pipeline, a second Propose (`extend`) runs beside the Verify: the draft drafts on from its
+proposal, and sequences whose drafts were all accepted and whose next token the draft guessed
+verify that extension next step without a Propose (DESIGN section 4's pipelined speculation).
 The draft is optional: if it fails, the step goes on without drafts and the draft is probed again
 in the background; sequences it held are released and re-sent from scratch when it is back.
 
