@@ -95,6 +95,7 @@ class Sequence:
     draft_pending: list[int] = field(default_factory=list)
     draft_prop: list[int] = field(default_factory=list)
     draft_prop_probs: list = field(default_factory=list)  # per proposed token its pb.Probs row (sampled)
+    draft_prop_guess: list = field(default_factory=list)  # per proposed token: a sampled guess, never a draft
     draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
     pipeline_refused: bool = False    # the draft refused an extension: no more pipelining for it
     # accounting
@@ -181,14 +182,20 @@ class Sequence:
     def draft_proposed(self, tokens: list[int], extend: bool = False, rows: list | None = None) -> None:
         """The draft took this step's keep and pending and drafted `tokens` after them (after the
         proposal's unconfirmed rest when `extend`d); rows: the distribution of each (a sampled
-        sequence's single-row pb.Probs, coordinator/proposals.probs_rows). Until tokens are
+        sequence's single-row pb.Probs, coordinator/proposals.probs_rows). A sampled extension's
+        first token was drawn as a guess of the target's token with the target's own uniform
+        (specdec/sampling/draft.py): it may be confirmed, never verified as a draft, since the
+        target's correction at its position draws with that uniform too. Until tokens are
         confirmed, keep is 0: a lost verify discards nothing that was not confirmed."""
         rows = list(rows) if rows is not None else [None] * len(tokens)
+        guess = [extend and i == 0 and self.params.sampling.temperature > 0 for i in range(len(tokens))]
         if extend:
-            self.draft_prop = self.draft_prop[self.draft_keep:] + list(tokens)
-            self.draft_prop_probs = self.draft_prop_probs[self.draft_keep:] + rows
+            k = self.draft_keep
+            self.draft_prop = self.draft_prop[k:] + list(tokens)
+            self.draft_prop_probs = self.draft_prop_probs[k:] + rows
+            self.draft_prop_guess = self.draft_prop_guess[k:] + guess
         else:
-            self.draft_prop, self.draft_prop_probs = list(tokens), rows
+            self.draft_prop, self.draft_prop_probs, self.draft_prop_guess = list(tokens), rows, guess
         self.draft_keep, self.draft_pending = 0, []
 
     def draft_confirm(self, tokens: list[int]) -> None:
@@ -204,7 +211,11 @@ class Sequence:
     def draft_ahead(self) -> list[int]:
         """Proposed tokens that follow the confirmed ones: drafts the next step can verify without
         asking the draft (empty unless the proposal is still on track)."""
-        return [] if self.draft_pending else self.draft_prop[self.draft_keep:]
+        if self.draft_pending:
+            return []
+        end = next((i for i in range(self.draft_keep, len(self.draft_prop)) if self.draft_prop_guess[i]),
+                   len(self.draft_prop))
+        return self.draft_prop[self.draft_keep:end]
 
     def draft_ahead_rows(self, n: int) -> list:
         """The distributions of the first n of draft_ahead (None for a token drafted greedily)."""
@@ -212,7 +223,7 @@ class Sequence:
 
     def restart_draft(self) -> None:
         """The draft server forgot this sequence: send it everything as a new sequence."""
-        self.draft_keep, self.draft_prop, self.draft_prop_probs = 0, [], []
+        self.draft_keep, self.draft_prop, self.draft_prop_probs, self.draft_prop_guess = 0, [], [], []
         self.draft_pending = list(self.params.prompt_ids) + self.output
 
     def restart_target(self) -> None:

@@ -137,11 +137,14 @@ class DraftEngine(ModelEngine):
         # The drafting rows' sampling parameters and positions live on the device and are narrowed
         # there when sequences finish: a step's only host-to-device copies are its batches' index
         # tensors (one each) and, where a sequence drops out, the index of the rows kept.
+        guess = None  # rows whose first token guesses the target's (extensions: draft_sample)
         if greedy:
             params = positions = None
         else:
             params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
             positions = as_device_tensor([len(plans[i].tokens) for i in active], torch.int64, self.device)
+            if any(plans[i].seq.extend for i in active):
+                guess = as_device_tensor([plans[i].seq.extend for i in active], torch.bool, self.device)
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
@@ -163,7 +166,8 @@ class DraftEngine(ModelEngine):
             if greedy:
                 tokens, q = greedy_tokens(logits), None
             else:
-                tokens, q = draft_sample(logits, params, positions + step, self.config.probs_dtype)
+                tokens, q = draft_sample(logits, params, positions + step, self.config.probs_dtype,
+                                         guess if step == 0 else None)
             steps.append((rows, tokens, q))
             step += 1
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.rng import DRAFT, uniform
+from specdec.sampling.rng import DRAFT, RESAMPLE, uniform
 from specdec.sampling.transport import round_probs, sample_from
 from specdec.staging import to_device
 
@@ -15,7 +15,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor,
-                 transport_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 transport_dtype: torch.dtype = torch.float16,
+                 guess: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V], positions [B] int64 (absolute position of the token being drafted)
     -> (tokens [B] int64, q [B, V] float32 weights, or None when every row is greedy).
 
@@ -28,5 +29,13 @@ def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torc
     if tensors.all_greedy:
         return greedy_tokens(logits), None
     q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
-    u = uniform(tensors.seeds, to_device(positions, tensors.seeds.device), DRAFT)
+    positions = to_device(positions, tensors.seeds.device)
+    u = uniform(tensors.seeds, positions, DRAFT)
+    if guess is not None:
+        # Rows that guess the target's own next token (the first token of a pipelined extension,
+        # never verified as a draft) draw with the uniform of the target's bonus sample at that
+        # position (rng.RESAMPLE), by the same inverse CDF: the two draws agree whenever that
+        # uniform falls where the token's CDF intervals under q and p overlap, which is most of
+        # the time when q is close to p (independent draws agree with probability sum p*q).
+        u = torch.where(to_device(guess, u.device), uniform(tensors.seeds, positions, RESAMPLE), u)
     return sample_from(q, u), q

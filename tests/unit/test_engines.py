@@ -335,3 +335,63 @@ def test_sampled_speculation_keeps_the_target_distribution(tmp_path):
     assert counts[~support].sum() == 0
     assert chisquare(counts[support].numpy(), (p[support] * n).numpy()).pvalue > 1e-3
     assert 0.1 * n < accepted < 0.9 * n  # the correction path carried a good part of the samples
+
+
+def test_pipelined_sampled_speculation_keeps_the_target_distribution(tmp_path):
+    """Sampled pipelining on the engines: beside the verify of d1, an extension drafts a guess g of
+    the target's next token (drawn with the target's own uniform for that position) and e after
+    it. When d1 is accepted and the target's token is g, the next step verifies e with its row.
+    The token that step emits must follow the target's p given its prefix; a prefix is counted
+    only where it is the commonest one, so every count has one distribution to match."""
+    from collections import Counter, defaultdict
+
+    from scipy.stats import chisquare
+    from specdec.runner import SeqInput
+    from specdec.sampling.probs import SamplingTensors, logits_to_probs
+
+    target_path, draft_path = make_pair(tmp_path, noise=0.01)
+    draft = DraftEngine(engine_config(draft_path, num_blocks=256))
+    target = TargetEngine(engine_config(target_path, num_blocks=256))
+    prompt = [7, 8, 9]
+
+    def params(seed):
+        return SamplingParams(temperature=1.5, top_k=3, seed=seed)
+    emitted = defaultdict(list)   # prefix (d1, g) -> tokens emitted after it on the pipelined path
+    guesses = hits = 0
+    n, batch = 1800, 60
+    for start in range(0, n, batch):
+        sids = [9000 + start + i for i in range(batch)]
+        sps = [params(start + i) for i in range(batch)]
+        prop = draft.propose([DraftSeqInput(s, 0, prompt, 1, sp, first=True) for s, sp in zip(sids, sps)]).outputs
+        ver = target.verify([VerifySeqInput(s, prompt, d.tokens, d.probs, sp, first=True)
+                             for s, d, sp in zip(sids, prop, sps)]).outputs
+        ext = draft.propose([DraftSeqInput(s, 0, [], 2, sp, extend=True) for s, sp in zip(sids, sps)]).outputs
+        nxt = []
+        for s, sp, d, v, x in zip(sids, sps, prop, ver, ext):
+            assert v.error is None and x.error is None and x.probs.shape[0] == 2
+            if v.accepted == 1:
+                guesses += 1
+                if v.next_token == x.tokens[0]:  # the guess was right: verify e without a propose
+                    nxt.append((s, sp, d.tokens[0], x))
+        if nxt:
+            out = target.verify([VerifySeqInput(s, [x.tokens[0]], x.tokens[1:], x.probs[1:], sp)
+                                 for s, sp, _, x in nxt]).outputs
+            for (s, sp, d1, x), v in zip(nxt, out):
+                assert v.error is None
+                emitted[(d1, x.tokens[0])].append(x.tokens[1] if v.accepted else v.next_token)
+            hits += len(nxt)
+        draft.release(sids)
+        target.release(sids)
+    prefix, tokens = max(emitted.items(), key=lambda kv: len(kv[1]))
+    assert len(tokens) > 150
+    target.runner.add_sequence("ref")
+    logits = target.runner.step([SeqInput("ref", prompt + list(prefix))])[0]
+    target.runner.free("ref")
+    p = logits_to_probs(logits, SamplingTensors.from_params([params(0)]))[0].double()
+    counts = torch.zeros_like(p)
+    for tok, c in Counter(tokens).items():
+        counts[tok] = c
+    support = p > 0
+    assert counts[~support].sum() == 0
+    expected = p[support] / p[support].sum() * len(tokens)
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3

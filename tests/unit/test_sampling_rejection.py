@@ -365,3 +365,28 @@ def test_same_output_on_cuda_without_host_sync():
                                       SamplingTensors.from_params([SamplingParams()] * n, dev), [0] * n)
         results.append((out.to_host(), greedy.to_host()))
     assert results[0] == results[1]
+
+
+def test_a_guess_row_draws_with_the_targets_own_uniform():
+    """draft_sample's guess rows (a pipelined extension's first token) draw with rng.RESAMPLE, the
+    uniform of the target's bonus sample at that position; other rows with rng.DRAFT. With the
+    draft's q the target's p (up to q's transport rounding), a guess matches the target's bonus
+    token almost always, where an independent draw matches with probability sum p^2."""
+    from specdec.sampling.rng import DRAFT, RESAMPLE, uniform
+    from specdec.sampling.transport import sample_from
+
+    n, v = 4000, 50
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(v, generator=gen) * 1.5).expand(n, -1)
+    t = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(n)])
+    positions = torch.full((n,), 17, dtype=torch.int64)
+    guess = torch.arange(n) % 2 == 0
+    tok, q = draft_sample(logits, t, positions, guess=guess)
+    for purpose, rows in ((RESAMPLE, guess), (DRAFT, ~guess)):
+        want = sample_from(q, uniform(t.seeds, positions, purpose))
+        assert torch.equal(tok[rows], want[rows])
+    p = logits_to_probs(logits, t)
+    bonus = sample_from(p, uniform(t.seeds, positions, RESAMPLE))   # what rejection_sample draws
+    agree = (tok == bonus).double()
+    assert agree[guess].mean() > 0.98
+    assert agree[~guess].mean() < 0.3 and float((p[0].double() ** 2).sum()) < 0.3

@@ -336,3 +336,21 @@ def test_auto_pipelines_only_a_draft_on_a_gpu_of_its_own():
     assert not pipeline_enabled("auto", info(), info())            # CPU servers report no GPU
     assert not pipeline_enabled("auto", info(gpu0), None)          # no draft (yet)
     assert pipeline_enabled("on", info(), info()) and not pipeline_enabled("off", info(gpu0), info(gpu1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_sampled_guess_is_confirmed_but_never_verified_as_a_draft(tmp_path, temperature):
+    """A sampled extension's first token was drawn with the target's own uniform for its
+    position: it may be confirmed (it equals the target's token), but it must never reach the
+    target as a draft, e.g. after a lost verify, when the whole proposal is still unconfirmed."""
+    seq = new_seq(tokenizer(tmp_path), 1, temperature)
+    d, e = [11, 12, 13], [21, 22, 23]
+    seq.draft_proposed(d)
+    seq.draft_proposed(e, extend=True)        # beside the verify of d
+    # The verify was lost: nothing confirmed. A greedy guess is a draft like any other.
+    assert seq.draft_ahead == (d if temperature else d + e)
+    seq.draft_confirm(d + [21])               # all of d accepted, the target's token was the guess
+    assert seq.draft_ahead == [22, 23]
+    seq.draft_proposed([31, 32], extend=True)  # beside the verify of [22, 23]: keep = 4
+    seq.draft_confirm([22, 99])               # 23 rejected: the proposal is off track
+    assert seq.draft_ahead == [] and seq.draft_pending == [99] and seq.draft_keep == 1
