@@ -78,28 +78,29 @@ def _check_probs(probs: pb.Probs, rows: int, vocab_size: int) -> None:
         raise BadProposal("probs.values: must be finite and >= 0")
 
 
-def probs_rows(probs: pb.Probs) -> list[pb.Probs]:
-    """A checked Probs (see _check_probs) as one single-row Probs per draft, bytes as received:
-    a pipelined proposal's rows are verified over two steps (the first is the draft's guess of
-    the target's token, the rest the next step's drafts)."""
+def probs_row(probs: pb.Probs, i: int) -> pb.Probs:
+    """Row i of a checked Probs (see _check_probs) as a single-row Probs, bytes as received: a
+    pipelined proposal's rows are verified over two steps (the first is the draft's guess of the
+    target's token, the rest the next step's drafts). Only the rows a step sends are cut."""
     v = probs.vocab_size
     if probs.encoding in _DENSE:
-        step = 2 * v
-        return [pb.Probs(encoding=probs.encoding, rows=1, vocab_size=v, values=probs.values[i * step:(i + 1) * step])
-                for i in range(probs.rows)]
-    lengths = np.frombuffer(probs.row_lengths, dtype="<i4")
-    ends = np.cumsum(lengths, dtype=np.int64)
-    rows = []
-    for i, (n, end) in enumerate(zip(lengths.tolist(), ends.tolist())):
-        a = end - n
-        rows.append(pb.Probs(encoding=probs.encoding, rows=1, vocab_size=v, indices=probs.indices[4 * a:4 * end],
-                             values=probs.values[2 * a:2 * end], row_lengths=probs.row_lengths[4 * i:4 * i + 4]))
-    return rows
+        return pb.Probs(encoding=probs.encoding, rows=1, vocab_size=v, values=probs.values[2 * v * i:2 * v * (i + 1)])
+    lengths = np.frombuffer(probs.row_lengths, dtype="<i4", count=i + 1).astype(np.int64)
+    end = int(lengths.sum())
+    a = end - int(lengths[i])
+    return pb.Probs(encoding=probs.encoding, rows=1, vocab_size=v, indices=probs.indices[4 * a:4 * end],
+                    values=probs.values[2 * a:2 * end], row_lengths=probs.row_lengths[4 * i:4 * i + 4])
+
+
+def probs_rows(probs: pb.Probs) -> list[pb.Probs]:
+    return [probs_row(probs, i) for i in range(probs.rows)]
 
 
 def probs_join(rows: list[pb.Probs]) -> pb.Probs:
     """The inverse of probs_rows for rows of one encoding and vocabulary."""
     first = rows[0]
+    if any((r.encoding, r.vocab_size) != (first.encoding, first.vocab_size) for r in rows):
+        raise ValueError("probs_join: rows of different encodings or vocabularies")
     return pb.Probs(encoding=first.encoding, rows=sum(r.rows for r in rows), vocab_size=first.vocab_size,
                     values=b"".join(r.values for r in rows), indices=b"".join(r.indices for r in rows),
                     row_lengths=b"".join(r.row_lengths for r in rows))

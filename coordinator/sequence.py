@@ -94,7 +94,7 @@ class Sequence:
     draft_keep: int = 0
     draft_pending: list[int] = field(default_factory=list)
     draft_prop: list[int] = field(default_factory=list)
-    draft_prop_probs: list = field(default_factory=list)  # per proposed token its pb.Probs row (sampled)
+    draft_prop_probs: list = field(default_factory=list)  # per proposed token (pb.Probs, row) (sampled)
     draft_prop_guess: list = field(default_factory=list)  # per proposed token: a sampled guess, never a draft
     draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
     pipeline_refused: bool = False    # the draft refused an extension: no more pipelining for it
@@ -181,8 +181,8 @@ class Sequence:
 
     def draft_proposed(self, tokens: list[int], extend: bool = False, rows: list | None = None) -> None:
         """The draft took this step's keep and pending and drafted `tokens` after them (after the
-        proposal's unconfirmed rest when `extend`d); rows: the distribution of each (a sampled
-        sequence's single-row pb.Probs, coordinator/proposals.probs_rows). A sampled extension's
+        proposal's unconfirmed rest when `extend`d); rows: where the distribution of each is (a
+        sampled sequence's (pb.Probs, row index), coordinator/proposals.probs_row). A sampled extension's
         first token was drawn as a guess of the target's token with the target's own uniform
         (specdec/sampling/draft.py): it may be confirmed, never verified as a draft, since the
         target's correction at its position draws with that uniform too. Until tokens are

@@ -33,7 +33,7 @@ import grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.gamma import choose_num_draft
-from coordinator.proposals import BadProposal, checked_proposal, probs_join, probs_rows
+from coordinator.proposals import BadProposal, checked_proposal, probs_join, probs_row
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Abort, Sequence
 from coordinator.servers import ModelServer, status_from_code
@@ -315,9 +315,10 @@ class SpecLoop:
         return seq.use_draft and seq.draft_holds and not seq.draft_resync and not seq.pipeline_refused
 
     def _rows(self, seq: Sequence, probs: pb.Probs | None) -> list | None:
-        """A proposal's distributions split by token, kept only where the loop pipelines (a
-        sampled sequence verifies a pipelined proposal's rows over two steps)."""
-        return probs_rows(probs) if probs is not None and self.pipeline else None
+        """Per drafted token (its proposal's Probs, its row), kept only where the loop pipelines:
+        a sampled sequence verifies a pipelined proposal's rows over two steps. Rows are cut
+        when a step sends them (_take_ahead), off the path of the step that drafted them."""
+        return [(probs, i) for i in range(probs.rows)] if probs is not None and self.pipeline else None
 
     def _take_ahead(self, plans: list[Plan]) -> None:
         """Sequences whose last pipelined proposal is still on track (the target accepted every
@@ -334,7 +335,7 @@ class SpecLoop:
                     rows = p.seq.draft_ahead_rows(len(ahead))
                     if any(r is None for r in rows):
                         continue
-                    probs = probs_join(rows)
+                    probs = probs_join([probs_row(m, i) for m, i in rows])
                 p.drafts, p.num_draft, p.probs, p.ahead = ahead, len(ahead), probs, True
                 n += 1
         self.metrics.count_pipelined(n)

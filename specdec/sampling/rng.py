@@ -12,6 +12,11 @@ ever influences the token at t, and once a step commits the token at t that posi
 decided again. A drafted token at t+1 discarded by a rejection at t leaves u(t+1, DRAFT) unobserved,
 so re-drafting t+1 with the same number in the next step is still an independent draw.
 
+One deliberate share: a pipelined extension's first token, the draft's guess of the target's token
+at t, is drawn with u(t, RESAMPLE), the target's own number there (sampling/draft.py), so that the
+guess agrees with the target when q is close to p. The guess is compared with the target's token,
+never verified as a draft (notes/sampling.md says why that keeps the output exact).
+
 The hash is SplitMix64 (Steele et al. 2014): state = mix(seed + golden), output i = mix(state +
 i * golden) with i = 4 * position + purpose. int64 multiplication wraps modulo 2**64 on CPU and CUDA,
 which is what the mixer needs; logical right shifts are emulated with a mask.

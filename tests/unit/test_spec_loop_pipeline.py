@@ -318,6 +318,9 @@ def test_probability_rows_split_and_join_as_received(sparse):
         got = decode_probs(row.values, 1, V, enc.encoding, row.indices, row.row_lengths, dtype=torch.float32)
         assert torch.equal(got[0], whole[i])
     assert probs_join(rows) == probs
+    with pytest.raises(ValueError, match="encodings"):  # rows of two proposals never mix
+        probs_join([rows[0], pb.Probs(encoding=pb.PROBS_ENCODING_DENSE_BF16 if sparse else
+                                      pb.PROBS_ENCODING_SPARSE_FP16, rows=1, vocab_size=V)])
     tail = probs_join(rows[1:4])  # what a pipelined step sends: the rows after the guess
     checked_proposal(pb.DraftResult(seq_id=1, tokens=pack_ids(tokens[1:4]), probs=tail), 1, 3, V, sampled=True)
     assert np.array_equal(decode_probs(tail.values, 3, V, enc.encoding, tail.indices, tail.row_lengths,
