@@ -119,7 +119,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
         tprof, dprof = decode_profile(target), decode_profile(draft)
         for b in batches:
             ps = used[:b * a.waves]
-            common = dict(max_new_tokens=a.new_tokens, ignore_eos=True, timeout=a.request_timeout)
+            common = dict(max_new_tokens=a.new_tokens, ignore_eos=True, timeout=a.request_timeout,
+                          **sampling_params(a))
             m0 = coord.metrics()
             plain_recs, plain_wall = run_concurrent(coord.address, ps, b, speculate=False, **common)
             m1 = coord.metrics()
@@ -131,8 +132,9 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             c = d_c / t_c if t_c and d_c else None
             tau = spec["tau"]
             c_sys = _metric(coord.metrics(), "specdec_system_cost_coefficient", b)
+            # Sampled outputs of two exact methods differ token by token; only greedy ones compare.
             same = [p.tokens == s.tokens for p, s in zip(plain_recs, spec_recs)
-                    if p.error is None and s.error is None]
+                    if p.error is None and s.error is None and not a.temperature]
             row = {"pair": label, "gpus": gpus, "batch": b, "gamma": a.gamma,
                    "plain_tok_s": plain["tok_s"], "spec_tok_s": spec["tok_s"],
                    "speedup": spec["tok_s"] / plain["tok_s"] if plain["tok_s"] and spec["tok_s"] else None,
@@ -179,6 +181,11 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
     return rows
 
 
+def sampling_params(a) -> dict:
+    """The requests' sampling: greedy, or --temperature with a fixed seed (reproducible runs)."""
+    return dict(temperature=a.temperature, top_k=a.top_k, seed=1234) if a.temperature else {}
+
+
 def pipelined_pass(a, pipe, prompts, b: int, common: dict, plain_recs, plain: dict) -> dict:
     """The speculative pass again through the --pipeline coordinator: its speed against plain
     decoding, and how often a step's drafts came from the draft's pipelined extension."""
@@ -186,7 +193,8 @@ def pipelined_pass(a, pipe, prompts, b: int, common: dict, plain_recs, plain: di
     recs, wall = run_concurrent(pipe.address, prompts, b, speculate=True, num_draft=a.gamma, **common)
     m1 = pipe.metrics()
     s = summarize(recs, wall)
-    same = [p.tokens == q.tokens for p, q in zip(plain_recs, recs) if p.error is None and q.error is None]
+    same = [p.tokens == q.tokens for p, q in zip(plain_recs, recs)
+            if p.error is None and q.error is None and not a.temperature]
     hits, spec_steps = (sample_total(m1, name) - sample_total(m0, name)
                         for name in ("specdec_pipelined_steps_total", "specdec_spec_steps_total"))
     return {"pipe_tok_s": s["tok_s"],
@@ -329,6 +337,9 @@ def parse_args(argv=None):
     p.add_argument("--busy-poll-ms", type=float, default=20.0,
                    help="--busy-poll-ms of the servers and the coordinator on cuda (0: all off); CPU "
                         "runs never poll")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the 7B and demo passes at this temperature (seeded; 0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k truncation")
     p.add_argument("--pipeline", action="store_true",
                    help="also time each speculative pass through a second coordinator with --pipeline")
     p.add_argument("--drafts", nargs="+", choices=SEVEN_B_DRAFTS,
@@ -425,7 +436,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "e2e", "environment": environment(), "device": a.device, "gpus": gpus,
               "settings": {"new_tokens": a.new_tokens, "gamma": a.gamma, "waves": a.waves,
                            "batches": a.batches, "batches_7b": a.batches_7b, "smoke": a.smoke,
-                           "quick": a.quick, "deadline_s": a.deadline, "sampling": "greedy",
+                           "quick": a.quick, "deadline_s": a.deadline,
+                           "sampling": sampling_params(a) or "greedy",
                            "random_agreement_7b": a.agreement if a.agreement >= 0 else None,
                            "dtype": str(dtype).removeprefix("torch."),
                            "busy_poll_ms": a.busy_poll_ms if a.device == "cuda" else 0,
