@@ -92,12 +92,8 @@ def probs_row(probs: pb.Probs, i: int) -> pb.Probs:
                     values=probs.values[2 * a:2 * end], row_lengths=probs.row_lengths[4 * i:4 * i + 4])
 
 
-def probs_rows(probs: pb.Probs) -> list[pb.Probs]:
-    return [probs_row(probs, i) for i in range(probs.rows)]
-
-
 def probs_join(rows: list[pb.Probs]) -> pb.Probs:
-    """The inverse of probs_rows for rows of one encoding and vocabulary."""
+    """Rows of one encoding and vocabulary (probs_row's) as one Probs."""
     first = rows[0]
     if any((r.encoding, r.vocab_size) != (first.encoding, first.vocab_size) for r in rows):
         raise ValueError("probs_join: rows of different encodings or vocabularies")

@@ -26,9 +26,17 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from coordinator.stops import StopStrings
 from coordinator.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+
+class Proposed(NamedTuple):
+    """One token of the draft's proposal, as the coordinator mirrors it."""
+    token: int
+    row: tuple | None = None  # (pb.Probs, row index): a sampled draft's distribution
+    guess: bool = False       # a sampled extension's guess of the target's token: never a draft
 
 
 class Finish(enum.IntEnum):  # values of the proto's FinishReason
@@ -93,9 +101,7 @@ class Sequence:
     draft_resync: bool = False        # the draft lost track (server restarted): start it afresh
     draft_keep: int = 0
     draft_pending: list[int] = field(default_factory=list)
-    draft_prop: list[int] = field(default_factory=list)
-    draft_prop_probs: list = field(default_factory=list)  # per proposed token (pb.Probs, row) (sampled)
-    draft_prop_guess: list = field(default_factory=list)  # per proposed token: a sampled guess, never a draft
+    draft_prop: list[Proposed] = field(default_factory=list)
     draft_resends: int = 0            # draft NOT_FOUND resends since its last good proposal
     pipeline_refused: bool = False    # the draft refused an extension: no more pipelining for it
     # accounting
@@ -187,22 +193,17 @@ class Sequence:
         (specdec/sampling/draft.py): it may be confirmed, never verified as a draft, since the
         target's correction at its position draws with that uniform too. Until tokens are
         confirmed, keep is 0: a lost verify discards nothing that was not confirmed."""
-        rows = list(rows) if rows is not None else [None] * len(tokens)
-        guess = [extend and i == 0 and self.params.sampling.temperature > 0 for i in range(len(tokens))]
-        if extend:
-            k = self.draft_keep
-            self.draft_prop = self.draft_prop[k:] + list(tokens)
-            self.draft_prop_probs = self.draft_prop_probs[k:] + rows
-            self.draft_prop_guess = self.draft_prop_guess[k:] + guess
-        else:
-            self.draft_prop, self.draft_prop_probs, self.draft_prop_guess = list(tokens), rows, guess
+        rows = rows if rows is not None else [None] * len(tokens)
+        guess = extend and self.params.sampling.temperature > 0
+        new = [Proposed(tok, row, guess and i == 0) for i, (tok, row) in enumerate(zip(tokens, rows))]
+        self.draft_prop = (self.draft_prop[self.draft_keep:] if extend else []) + new
         self.draft_keep, self.draft_pending = 0, []
 
     def draft_confirm(self, tokens: list[int]) -> None:
         """Tokens the target emitted (see the module docstring)."""
         prop = self.draft_prop
         for tok in tokens:
-            if not self.draft_pending and self.draft_keep < len(prop) and prop[self.draft_keep] == tok:
+            if not self.draft_pending and self.draft_keep < len(prop) and prop[self.draft_keep].token == tok:
                 self.draft_keep += 1
             else:
                 self.draft_pending.append(tok)
@@ -211,19 +212,21 @@ class Sequence:
     def draft_ahead(self) -> list[int]:
         """Proposed tokens that follow the confirmed ones: drafts the next step can verify without
         asking the draft (empty unless the proposal is still on track)."""
-        if self.draft_pending:
-            return []
-        end = next((i for i in range(self.draft_keep, len(self.draft_prop)) if self.draft_prop_guess[i]),
-                   len(self.draft_prop))
-        return self.draft_prop[self.draft_keep:end]
+        ahead = []
+        if not self.draft_pending:
+            for proposed in self.draft_prop[self.draft_keep:]:
+                if proposed.guess:
+                    break
+                ahead.append(proposed.token)
+        return ahead
 
     def draft_ahead_rows(self, n: int) -> list:
         """The distributions of the first n of draft_ahead (None for a token drafted greedily)."""
-        return self.draft_prop_probs[self.draft_keep:self.draft_keep + n]
+        return [proposed.row for proposed in self.draft_prop[self.draft_keep:self.draft_keep + n]]
 
     def restart_draft(self) -> None:
         """The draft server forgot this sequence: send it everything as a new sequence."""
-        self.draft_keep, self.draft_prop, self.draft_prop_probs, self.draft_prop_guess = 0, [], [], []
+        self.draft_keep, self.draft_prop = 0, []
         self.draft_pending = list(self.params.prompt_ids) + self.output
 
     def restart_target(self) -> None:

@@ -279,7 +279,7 @@ class SpecLoop:
                 p.num_draft = 0
                 continue
             p.drafts, p.probs = proposal
-            p.seq.draft_proposed(p.drafts, rows=self._rows(p.seq, p.probs))
+            p.seq.draft_proposed(p.drafts, rows=self._rows(p.probs))
         return response.timing
 
     def _proposal(self, seq: Sequence, r: pb.DraftResult, num_draft: int):
@@ -314,7 +314,7 @@ class SpecLoop:
     def _pipelined(self, seq: Sequence) -> bool:
         return seq.use_draft and seq.draft_holds and not seq.draft_resync and not seq.pipeline_refused
 
-    def _rows(self, seq: Sequence, probs: pb.Probs | None) -> list | None:
+    def _rows(self, probs: pb.Probs | None) -> list | None:
         """Per drafted token (its proposal's Probs, its row), kept only where the loop pipelines:
         a sampled sequence verifies a pipelined proposal's rows over two steps. Rows are cut
         when a step sends them (_take_ahead), off the path of the step that drafted them."""
@@ -389,7 +389,7 @@ class SpecLoop:
                 continue
             proposal = self._proposal(seq, r, k)
             if proposal is not None:
-                seq.draft_proposed(proposal[0], extend=True, rows=self._rows(seq, proposal[1]))
+                seq.draft_proposed(proposal[0], extend=True, rows=self._rows(proposal[1]))
 
     def _apply(self, p: Plan, r: pb.VerifyResult, confirms: list) -> tuple[int, int, int]:
         """Applies one sequence's verify result; returns its (drafted, accepted, emitted) for the

@@ -37,6 +37,7 @@ def device_uuids(device: torch.device) -> tuple[str, ...]:
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return (str(uuid),) if uuid else ()
 
+
 WARMUP_CONTEXT = 16  # tokens of context behind the timed single-token forward
 # Prefill shapes run at start-up on CUDA (capped by max_model_len and the free KV). Powers of two:
 # the attention tile is picked from next_power_of_2(query length x query group), so these reach

@@ -35,7 +35,7 @@ class Plan:
     seq: DraftSeqInput
     tokens: list[int]     # the sequence after this step's keep + new_tokens, before drafting
     feed: list[int]       # tokens to run through the model before the first draft
-    base: int = -1        # confirmed tokens after the step (-1: all of `tokens`)
+    base: int             # of `tokens`, how many are confirmed (extend: fewer than all)
     admission: Admission | None = None
 
     @property
@@ -72,8 +72,7 @@ class DraftEngine(ModelEngine):
             self.roll_back(p.admission for p in plans)
             raise
         for plan, toks, q in zip(plans, drafted, probs):
-            base = len(plan.tokens) if plan.base < 0 else plan.base
-            self.states[plan.seq.seq_id] = DraftState(plan.tokens + toks, base)
+            self.states[plan.seq.seq_id] = DraftState(plan.tokens + toks, plan.base)
             outputs[plan.index] = DraftOutput(plan.seq.seq_id, toks, q)
         forwards = clock.seconds()
         self._update_profile(plans, forwards)
@@ -112,8 +111,8 @@ class DraftEngine(ModelEngine):
                 tokens = state.tokens[:state.base + seq.keep] + list(seq.new_tokens)
         self.check_length(len(tokens) + seq.num_draft, "new_tokens + num_draft")
         if state is None:
-            return Plan(index, seq, tokens, feed=tokens)
-        base = state.base + seq.keep if seq.extend else -1
+            return Plan(index, seq, tokens, feed=tokens, base=len(tokens))
+        base = state.base + seq.keep if seq.extend else len(tokens)
         kv_len = min(self.runner.num_tokens(seq.seq_id), len(tokens) if seq.extend else state.base + seq.keep)
         if kv_len == len(tokens) and seq.num_draft:
             kv_len -= 1  # nothing new to feed, but drafting needs the last token's logits

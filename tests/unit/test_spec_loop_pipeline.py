@@ -294,7 +294,7 @@ def test_probability_rows_split_and_join_as_received(sparse):
     import numpy as np
     import torch
 
-    from coordinator.proposals import checked_proposal, probs_join, probs_rows
+    from coordinator.proposals import checked_proposal, probs_join, probs_row
     from protos.wire import pack_ids
     from specdec.sampling.transport import decode_probs, encode_probs
 
@@ -311,7 +311,7 @@ def test_probability_rows_split_and_join_as_received(sparse):
                      row_lengths=enc.row_lengths)
     r = pb.DraftResult(seq_id=1, tokens=pack_ids(tokens), probs=probs)
     _, checked = checked_proposal(r, 1, 5, V, sampled=True)
-    rows = probs_rows(checked)
+    rows = [probs_row(checked, i) for i in range(checked.rows)]
     assert len(rows) == 5 and all(x.rows == 1 for x in rows)
     whole = decode_probs(probs.values, 5, V, enc.encoding, probs.indices, probs.row_lengths, dtype=torch.float32)
     for i, row in enumerate(rows):
