@@ -20,7 +20,9 @@ import torch
 # Segment offsets in a packed buffer: 16 bytes, the alignment Triton specialises pointer arguments
 # on, so a view at such an offset compiles to the same kernel variant as a separate allocation.
 PACK_ALIGN = 16
-_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+# What a packed buffer holds: integer index arrays, and the float32 / bool sampling parameters of
+# the graphed sampler (sampling/graphs.py), and its float64 uniforms.
+_TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d", torch.bool: "B"}
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -42,23 +42,14 @@ class SamplingTensors:
         """seeds overrides params' seeds. A row with neither gets a fresh random seed on every call:
         still lossless (fresh randomness always is) but not reproducible, and never a seed shared
         by all unseeded requests. The coordinator seeds every request once, when it arrives."""
-        if seeds is None:
-            seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
-        if len(seeds) != len(params):
-            raise ValueError(f"seeds: {len(seeds)} for {len(params)} rows")
+        rows = host_rows(params, seeds)
         # Three staged copies (one per dtype) rather than one per field.
-        floats = as_device_tensor([[1.0 if p.greedy else p.temperature for p in params],
-                                   [p.top_p for p in params], [p.min_p for p in params]],
-                                  torch.float32, device)                                # [3, R]
-        ints = as_device_tensor([[p.top_k for p in params], [seed_to_int64(s) for s in seeds]],
-                                torch.int64, device)                                    # [2, R]
+        floats = as_device_tensor([rows.temperature, rows.top_p, rows.min_p], torch.float32, device)  # [3, R]
+        ints = as_device_tensor([rows.top_k, rows.seeds], torch.int64, device)                       # [2, R]
         return cls(
             temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
-            greedy=as_device_tensor([p.greedy for p in params], torch.bool, device), seeds=ints[1],
-            all_greedy=all(p.greedy for p in params),
-            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
-            any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
-            any_min_p=any(p.min_p > 0 and not p.greedy for p in params),
+            greedy=as_device_tensor(rows.greedy, torch.bool, device), seeds=ints[1],
+            all_greedy=all(rows.greedy), **filter_flags(params),
         )
 
     def __len__(self) -> int:
@@ -76,6 +67,38 @@ class SamplingTensors:
         """Row b repeated counts[b] times (host counts): per-sequence params -> flat verify rows."""
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
         return self.index(to_device(rows, self.greedy.device))
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """SamplingTensors' per-row values as host lists (what from_params stages; the graphed sampler
+    writes the same values into its static inputs)."""
+    temperature: list[float]  # 1 on greedy rows
+    top_p: list[float]
+    min_p: list[float]
+    top_k: list[int]
+    seeds: list[int]          # int64 bits of the uint64 seeds
+    greedy: list[bool]
+
+
+def host_rows(params: Sequence[SamplingParams], seeds: Sequence[int] | None = None) -> HostRows:
+    """seeds overrides params' seeds; a row with neither gets a fresh random seed (from_params)."""
+    if seeds is None:
+        seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
+    if len(seeds) != len(params):
+        raise ValueError(f"seeds: {len(seeds)} for {len(params)} rows")
+    return HostRows([1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+                    [p.min_p for p in params], [p.top_k for p in params],
+                    [seed_to_int64(s) for s in seeds], [p.greedy for p in params])
+
+
+def filter_flags(params: Sequence[SamplingParams]) -> dict[str, bool]:
+    """Which filters logits_to_probs runs for these rows (any_top_k, any_top_p, any_min_p). A
+    filter that runs on a row that does not use it leaves the row's bits unchanged, so running
+    more filters than the rows need (the graphed sampler does) changes nothing."""
+    return dict(any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+                any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
+                any_min_p=any(p.min_p > 0 and not p.greedy for p in params))
 
 
 def logits_to_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -104,5 +127,7 @@ def logits_to_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.any_min_p:
         floor = t.min_p[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        # Renormalise only the rows that use min_p: another row's bits must not depend on whether
+        # its batch holds a min_p request (dividing by a sum that is 1 up to rounding moves them).
+        probs = torch.where((t.min_p > 0)[:, None], probs / probs.sum(-1, keepdim=True), probs)
     return torch.where(t.greedy[:, None], one_hot, probs)

@@ -23,6 +23,9 @@ which is what the mixer needs; logical right shifts are emulated with a mask.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 DRAFT = 0      # the draft's sample of its token at this position
@@ -61,6 +64,25 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch
     state = _mix(seeds + GOLDEN)
     z = _mix(state + (positions * NUM_PURPOSES + purpose) * GOLDEN)
     return _shr(z, 11).to(torch.float64) * (2.0 ** -53)
+
+
+def uniform_host(seeds: Sequence[int], positions: Sequence[int], purposes: Sequence[int]) -> np.ndarray:
+    """`uniform` on the host for a few rows at once (numpy uint64 arithmetic wraps as the int64
+    tensors do, and its right shifts are logical): the same float64 values, bit for bit. seeds
+    are int64 bits (seed_to_int64); one purpose per row. The graphed sampler stages these rather
+    than running the hash's ~30 integer kernels per row set inside its graph."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(seeds, dtype=np.int64).astype(np.uint64) + np.uint64(GOLDEN % 2**64)
+        state = _mix_host(z)
+        i = np.asarray(positions, dtype=np.uint64) * np.uint64(NUM_PURPOSES) + np.asarray(purposes, dtype=np.uint64)
+        z = _mix_host(state + i * np.uint64(GOLDEN % 2**64))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def _mix_host(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1 % 2**64)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2 % 2**64)
+    return z ^ (z >> np.uint64(31))
 
 
 def uniform_reference(seed: int, position: int, purpose: int) -> float:

@@ -9,7 +9,8 @@ from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWa
 from specdec.sampling.draft import draft_sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.rng import ACCEPT, DRAFT, RESAMPLE, seed_to_int64, uniform, uniform_reference
+from specdec.sampling.rng import (ACCEPT, DRAFT, RESAMPLE, seed_to_int64, uniform, uniform_host,
+                                  uniform_reference)
 from specdec.sampling.transport import (ProbsDecodeError, decode_probs, encode_probs, normalize,
                                         round_probs, sample_from)
 
@@ -145,6 +146,11 @@ def test_uniforms_match_reference_and_are_keyed():
     for purpose in (DRAFT, ACCEPT, RESAMPLE):
         got = uniform(s, pos, purpose).tolist()
         assert got == [uniform_reference(a, b, purpose) for a, b in zip(seeds, positions)]
+        # the host version the graphed sampler stages: the same bits, one purpose per row
+        assert uniform_host(s.tolist(), positions, [purpose] * len(seeds)).tolist() == got
+    mixed = [DRAFT, RESAMPLE, ACCEPT, RESAMPLE, DRAFT, DRAFT]
+    assert uniform_host(s.tolist(), positions, mixed).tolist() == [
+        uniform_reference(a, b, p) for a, b, p in zip(seeds, positions, mixed)]
     u = uniform(torch.arange(100_000), torch.zeros(100_000, dtype=torch.int64), DRAFT)
     assert 0 <= float(u.min()) and float(u.max()) < 1
     assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002

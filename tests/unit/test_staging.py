@@ -28,9 +28,14 @@ def test_pack_round_trips_values_dtypes_and_alignment(device):
 
 
 def test_pack_rejects_other_dtypes_and_handles_nothing():
-    with pytest.raises(ValueError, match="float32"):
-        pack_to_device([([1.0], torch.float32)], "cpu")
+    with pytest.raises(ValueError, match="float16"):
+        pack_to_device([([1.0], torch.float16)], "cpu")
     empty = pack_to_device([([], torch.int64), ([], torch.int32)], "cpu")
+    # float32 and bool (the graphed sampler's parameters and flags) come back as given
+    f, b, i = pack_to_device([([0.8, 1.0, 2.5e-3], torch.float32), ([True, False, True], torch.bool),
+                              ([-7], torch.int64)], "cpu")
+    assert f.tolist() == torch.tensor([0.8, 1.0, 2.5e-3]).tolist() and b.tolist() == [True, False, True]
+    assert i.tolist() == [-7] and (f.dtype, b.dtype) == (torch.float32, torch.bool)
     assert [t.numel() for t in empty] == [0, 0] and [t.dtype for t in empty] == [torch.int64, torch.int32]
 
 
