@@ -75,7 +75,37 @@ class _Chain:
     at: torch.Tensor             # [1] int64: the row the next replay writes
 
 
-class GraphedForward:
+class GraphCaptures:
+    """Where graphs come from (GraphedForward, and the samplers of sampling/graphs.py): CPU tests
+    replace these with a stand-in that re-runs the captured function on the same static buffers."""
+
+    @staticmethod
+    def _check_device(device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+
+    @staticmethod
+    def _new_pool():
+        return torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def _record(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+        """fn() run twice on a side stream (Triton kernels compile and allocations settle outside
+        the capture), then captured into a graph on `pool`: (the graph, what the captured call
+        returned)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+
+class GraphedForward(GraphCaptures):
     def __init__(self, runner, max_model_len: int, query_lens: tuple[int, ...] = (1,),
                  batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, chains: bool = False,
                  prefill_lens: tuple[int, ...] = ()):
@@ -114,15 +144,6 @@ class GraphedForward:
         if chains and 1 in self.query_lens:
             for b in reversed(self.batch_sizes):
                 self.chains[b] = self._capture_chain(b, pool)
-
-    @staticmethod
-    def _check_device(device: torch.device) -> None:
-        if device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-
-    @staticmethod
-    def _new_pool():
-        return torch.cuda.graph_pool_handle()
 
     def shape(self, b: int, q: int) -> Shape:
         """Bucket (b, q)'s rows: b x q for a decode/verify length q; for a prefill length q, one
@@ -203,22 +224,6 @@ class GraphedForward:
                             block_tables=v[5].view(b, self.max_blocks)[:n], logits_indices=v[6][:len(logit_rows)],
                             query_lens_host=list(query_lens), context_lens_host=list(ctx_lens),
                             graph_key=(b, q, g.stamp))
-
-    @staticmethod
-    def _record(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-        """fn() run twice on a side stream (Triton kernels compile and allocations settle outside
-        the capture), then captured into a graph on `pool`: (the graph, what the captured call
-        returned)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph, out
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, pool) -> _Graph:

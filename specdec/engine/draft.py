@@ -4,6 +4,7 @@ drafted position)."""
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,9 +14,10 @@ import torch
 from specdec.config import EngineConfig
 from specdec.runner import SeqInput
 from specdec.sampling.draft import draft_sample, greedy_tokens
+from specdec.sampling.graphs import GraphedSampler
 from specdec.sampling.probs import SamplingTensors
 from specdec.staging import as_device_tensor
-from specdec.engine.base import Admission, ModelEngine
+from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
                                   StepTiming, unknown_seq)
 
@@ -45,10 +47,19 @@ class Plan:
 
 class DraftEngine(ModelEngine):
     graph_chains = True  # greedy steps after the first run as one chain of graph replays
+    sampler: GraphedSampler | None = None  # sampled drafts on CUDA graphs (set at capture)
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.states: dict[int, DraftState] = {}
+
+    def _capture_graphs(self) -> None:
+        super()._capture_graphs()
+        if self.config.sampler_graphs:
+            t0 = time.perf_counter()
+            self.sampler = GraphedSampler(self.vocab_size, self.config.graph_batch_sizes,
+                                          self.config.max_num_draft, self.config.probs_dtype, self.device)
+            log.info("captured %d sampler graphs in %.1fs", len(self.sampler.graphs), time.perf_counter() - t0)
 
     def graph_query_lens(self) -> tuple[int, ...]:
         # A step's first forward feeds 1 token per sequence (the target's correction) or 2 (the
@@ -133,17 +144,14 @@ class DraftEngine(ModelEngine):
         # parameters or positions are staged (four pinned host-to-device copies a step).
         greedy = all(plans[i].seq.sampling.greedy for i in active)
         rows = list(range(len(active)))  # rows of the first position still drafting
-        # The drafting rows' sampling parameters and positions live on the device and are narrowed
-        # there when sequences finish: a step's only host-to-device copies are its batches' index
-        # tensors (one each) and, where a sequence drops out, the index of the rows kept.
-        guess = None  # rows whose first token guesses the target's (extensions: draft_sample)
-        if greedy:
-            params = positions = None
-        else:
-            params = SamplingTensors.from_params([plans[i].seq.sampling for i in active], self.device)
-            positions = as_device_tensor([len(plans[i].tokens) for i in active], torch.int64, self.device)
-            if any(plans[i].seq.extend for i in active):
-                guess = as_device_tensor([plans[i].seq.extend for i in active], torch.bool, self.device)
+        if not greedy:
+            # Per drafting row (`rows` indexes these): its sampling parameters, one seed for the
+            # whole step, the position of its first draft, and whether that draft is a guess of
+            # the target's token (the first of an extension; see draft_sample).
+            sampling = [plans[i].seq.sampling for i in active]
+            seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in sampling]
+            first_pos = [len(plans[i].tokens) for i in active]
+            guess = [bool(plans[i].seq.extend) for i in active]
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
@@ -165,8 +173,9 @@ class DraftEngine(ModelEngine):
             if greedy:
                 tokens, q = greedy_tokens(logits), None
             else:
-                tokens, q = draft_sample(logits, params, positions + step, self.config.probs_dtype,
-                                         guess if step == 0 else None)
+                tokens, q = self._sample(logits, [sampling[r] for r in rows], [seeds[r] for r in rows],
+                                         [first_pos[r] + step for r in rows], guess if step == 0 else None,
+                                         step)
             steps.append((rows, tokens, q))
             step += 1
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
@@ -179,8 +188,6 @@ class DraftEngine(ModelEngine):
             if len(keep) < len(rows):
                 kept = as_device_tensor(keep, torch.int64, self.device)
                 fed = tokens.index_select(0, kept)
-                if not greedy:
-                    positions, params = positions.index_select(0, kept), params.index(kept)
             rows = [rows[j] for j in keep]
             items = [SeqInput(plans[active[r]].seq.seq_id, [0]) for r in rows]
         drafted: list[list[int]] = [[] for _ in plans]
@@ -196,6 +203,18 @@ class DraftEngine(ModelEngine):
         flat = [row for rows_i in qs for row in rows_i]
         parts = torch.stack(flat).cpu().split([len(q) for q in qs]) if flat else [None] * len(qs)
         return drafted, [part if q else None for q, part in zip(qs, parts)]
+
+    def _sample(self, logits: torch.Tensor, sampling: list, seeds: list[int], positions: list[int],
+                guess: list[bool] | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_sample of one position's rows: (tokens [n], q [n, V] in the transport dtype, exact
+        since q is rounded to it), on the graphed sampler where it fits, else eagerly."""
+        if self.sampler is not None and self.sampler.fits(len(sampling), step, logits.shape[1]):
+            return self.sampler.sample(logits, sampling, seeds, positions, guess, step)
+        dev, dtype = self.device, self.config.probs_dtype
+        tokens, q = draft_sample(logits, SamplingTensors.from_params(sampling, dev, seeds),
+                                 as_device_tensor(positions, torch.int64, dev), dtype,
+                                 None if guess is None or not any(guess) else as_device_tensor(guess, torch.bool, dev))
+        return tokens, None if q is None else q.to(dtype)   # None: the rows left are all greedy
 
     def _chain(self, plans: list[Plan], first_ids, rows: list[int], done: int, clock,
                steps: list) -> bool:

@@ -2,6 +2,7 @@
 rejection sampling, and KV rollback to the accepted prefix."""
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,10 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runner import SeqInput
+from specdec.sampling.graphs import GraphedVerifier
 from specdec.sampling.probs import SamplingTensors
 from specdec.sampling.rejection import greedy_accept_rows, one_hot_probs, rejection_sample
 from specdec.staging import as_device_tensor, to_device
-from specdec.engine.base import Admission, ModelEngine
+from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
                                   VerifySeqInput, unknown_seq)
 
@@ -38,9 +40,20 @@ class Plan:
 
 
 class TargetEngine(ModelEngine):
+    verifier: GraphedVerifier | None = None  # sampled rejection steps on CUDA graphs (set at capture)
+
     def graph_query_lens(self) -> tuple[int, ...]:
         # One new token + k drafts; k beyond 8 is rare enough to run eagerly.
         return tuple(range(1, min(self.config.max_num_draft, 8) + 2))
+
+    def _capture_graphs(self) -> None:
+        super()._capture_graphs()
+        if self.config.sampler_graphs:
+            t0 = time.perf_counter()
+            kmax = max(self.runner.graphs.query_lens) - 1
+            self.verifier = GraphedVerifier(self.vocab_size, self.config.graph_batch_sizes, kmax, self.device)
+            log.info("captured %d rejection-sampling graphs (up to %d drafts) in %.1fs",
+                     len(self.verifier.graphs), kmax, time.perf_counter() - t0)
 
     def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
@@ -121,10 +134,16 @@ class TargetEngine(ModelEngine):
             return results
         counts = [len(p.seq.draft_tokens) for p in sp]
         drafts = [t for p in sp for t in p.seq.draft_tokens]
-        draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
-        out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
-                               SamplingTensors.from_params([p.seq.sampling for p in sp], self.device),
-                               [p.first_draft_position for p in sp]).to_host()
+        params = [p.seq.sampling for p in sp]
+        seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
+        positions = [p.first_draft_position for p in sp]
+        if self.verifier is not None and self.verifier.fits(len(sp), max(counts), flat_logits.shape[1]):
+            out = self.verifier.verify(flat_logits, drafts, self._draft_probs(sp), counts, params, seeds,
+                                       positions)
+        else:
+            draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
+            out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
+                                   SamplingTensors.from_params(params, self.device, seeds), positions).to_host()
         for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
             results[i] = (accepted, tokens[-1])
         return results

@@ -16,7 +16,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor,
                  transport_dtype: torch.dtype = torch.float16,
-                 guess: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 guess: torch.Tensor | None = None,
+                 u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V], positions [B] int64 (absolute position of the token being drafted)
     -> (tokens [B] int64, q [B, V] float32 weights, or None when every row is greedy).
 
@@ -24,11 +25,15 @@ def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torc
     weights the target will decode (see transport.py); send q with encode_probs(q, transport_dtype).
     Greedy rows give their argmax with a one-hot q (which the target does not need); an all-greedy
     batch gives the argmax alone (one kernel instead of the sampling path's ~25 launches per drafted
-    position, the same tokens).
+    position, the same tokens). u [B] float64: the rows' uniforms, given (the graphed sampler
+    stages rng.uniform_host's: RESAMPLE on guess rows, DRAFT on the others); positions and guess
+    are then unused.
     """
     if tensors.all_greedy:
         return greedy_tokens(logits), None
     q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
+    if u is not None:  # the row's uniforms computed elsewhere (rng.uniform_host), guesses included
+        return sample_from(q, u), q
     positions = to_device(positions, tensors.seeds.device)
     u = uniform(tensors.seeds, positions, DRAFT)
     if guess is not None:

@@ -108,23 +108,33 @@ def greedy_accept_rows(best: Sequence[int], drafts: Sequence[Sequence[int]]) -> 
     return out
 
 
-def _layout(counts: Sequence[int], n: int, m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
-    """Padded [B, kmax+1] layout of the flat rows, built on the host from the host counts and
-    copied in one staged transfer: columns k, p_start, q_start, then kmax+1 target rows (the
-    last repeated past k) and kmax+1 draft rows (clamped) per sequence. Built in Python: the
-    dozen tiny host tensor ops it took before cost more than the lists. Checks first that the
-    counts fit n target rows and m draft tokens."""
-    if n != sum(counts) + len(counts) or m != sum(counts):
-        raise ValueError(f"num_draft {list(counts)} needs {sum(counts) + len(counts)} target rows and "
-                         f"{sum(counts)} draft tokens, got {n} and {m}")
-    kmax = max(counts, default=0)
+def layout_rows(counts: Sequence[int], kmax: int, m: int) -> list[list[int]]:
+    """The padded [B, 2 kmax + 5] layout of the flat rows as host lists: per sequence its k,
+    p_start and q_start, then kmax+1 target rows (the last repeated past k) and kmax+1 draft rows
+    (clamped to the m - 1 drafts there are). kmax may exceed the counts' (the graphed verifier
+    pads every step to its own)."""
     rows, p0, q0, last = [], 0, 0, max(m - 1, 0)
     for k in counts:
         rows.append([k, p0, q0, *(p0 + min(j, k) for j in range(kmax + 1)),
                      *(min(q0 + j, last) for j in range(kmax + 1))])
         p0, q0 = p0 + k + 1, q0 + k
-    layout = torch.tensor(rows, dtype=torch.int64).reshape(len(counts), 2 * kmax + 5)
+    return rows
+
+
+def _layout(counts: Sequence[int], n: int, m: int, dev: torch.device) -> tuple[torch.Tensor, int]:
+    """layout_rows on the device in one staged transfer, and kmax. Built in Python: the dozen tiny
+    host tensor ops it took before cost more than the lists. Checks first that the counts fit n
+    target rows and m draft tokens."""
+    check_counts(counts, n, m)
+    kmax = max(counts, default=0)
+    layout = torch.tensor(layout_rows(counts, kmax, m), dtype=torch.int64).reshape(len(counts), 2 * kmax + 5)
     return to_device(layout, dev), kmax
+
+
+def check_counts(counts: Sequence[int], n: int, m: int) -> None:
+    if n != sum(counts) + len(counts) or m != sum(counts):
+        raise ValueError(f"num_draft {list(counts)} needs {sum(counts) + len(counts)} target rows and "
+                         f"{sum(counts)} draft tokens, got {n} and {m}")
 
 
 def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
@@ -145,27 +155,41 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
     seeds, draft_tokens = to_device(seeds, dev), to_device(draft_tokens, dev)
     if draft_probs is not None:
         draft_probs = to_device(draft_probs, dev)
+    # Every uniform a sequence may use this step: the accept test of each draft and the
+    # correction / bonus sample after any number accepted (accept_from picks one per sequence).
+    at = positions[:, None] + torch.arange(kmax + 1, device=dev)[None, :]        # [B, kmax+1]
+    s = seeds[:, None].expand(b, kmax + 1)
+    return accept_from(target_probs, draft_tokens if m else None, draft_probs if m else None, layout, kmax,
+                       uniform(s, at, ACCEPT), uniform(s, at, RESAMPLE))
 
+
+def accept_from(target_probs: torch.Tensor, draft_tokens: torch.Tensor | None,
+                draft_probs: torch.Tensor | None, layout: torch.Tensor, kmax: int,
+                u_accept: torch.Tensor, u_resample: torch.Tensor) -> SpecOutput:
+    """The rule itself, tensor ops only (what the graphed verifier captures): layout [B, 2 kmax
+    + 5] (layout_rows), u_accept / u_resample [B, kmax + 1] float64: the ACCEPT and RESAMPLE
+    uniforms at each sequence's positions first + j. draft_tokens None: no drafts in the batch;
+    draft_probs None: every draft deterministic (q one-hot at it). Rows past a sequence's k are
+    never read into its result, so padding may hold anything."""
     k, p_start, q_start = layout[:, 0], layout[:, 1], layout[:, 2]
     p_rows, q_rows = layout[:, 3:kmax + 4], layout[:, kmax + 4:]
-    j = torch.arange(kmax + 1, device=dev)[None, :]       # made on the device: no copy at all
+    j = torch.arange(kmax + 1, device=layout.device)[None, :]   # made on the device: no copy at all
     is_draft = j < k[:, None]                                                   # [B, kmax+1]
 
-    x = draft_tokens[q_rows] if m else torch.zeros_like(p_rows)               # [B, kmax+1]
+    x = draft_tokens[q_rows] if draft_tokens is not None else torch.zeros_like(p_rows)   # [B, kmax+1]
     p_x = target_probs[p_rows, x].double()
-    if draft_probs is None or not m:
+    if draft_probs is None:
         q_x = torch.ones_like(p_x)
     else:
         w = draft_probs.double()
         # Same float32 values as normalize(w) produces row-wise: the p == q case accepts surely.
         q_x = (w[q_rows, x] / w.sum(-1)[q_rows]).float().double()
-    u = uniform(seeds[:, None].expand(b, kmax + 1), positions[:, None] + j, ACCEPT)
-    ok = is_draft & (q_x > 0) & (u * q_x < p_x)   # a token the draft gave q = 0 is never accepted
+    ok = is_draft & (q_x > 0) & (u_accept * q_x < p_x)   # a token the draft gave q = 0 is never accepted
     accepted = ok.long().cumprod(1).sum(1)                                       # [B]
 
     p_final = target_probs[p_start + accepted]                                   # [B, V]
-    if m:
-        q_row = (q_start + accepted).clamp(max=m - 1)
+    if draft_tokens is not None:
+        q_row = q_rows.gather(1, accepted[:, None]).squeeze(1)   # q_start + accepted, clamped
         if draft_probs is None:
             q_final = torch.zeros_like(p_final).scatter_(1, draft_tokens[q_row, None], 1.0)
         else:
@@ -173,7 +197,7 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
         dist = torch.where((accepted < k)[:, None], residual_probs(p_final, q_final), p_final)
     else:
         dist = p_final
-    nxt = sample_from(dist, uniform(seeds, positions + accepted, RESAMPLE))
+    nxt = sample_from(dist, u_resample.gather(1, accepted[:, None]).squeeze(1))
 
     tokens = torch.where(j < accepted[:, None], x, -1)
     tokens = tokens.scatter(1, accepted[:, None], nxt[:, None])

@@ -100,3 +100,54 @@ def test_info_names_the_gpu(tmp_path):
     assert len(uuids) == 1 and uuids[0] and uuids == device_uuids(torch.device("cuda", 0))
     if torch.cuda.device_count() > 1:
         assert device_uuids(torch.device("cuda", 1)) != uuids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampled_drafts_on_sampler_graphs_equal_eager_sampling(tmp_path, dtype):
+    """The draft's sampler graphs (sampling/graphs.py) against the same engine sampling op by op:
+    sampled and greedy rows mixed, top-k / top-p / min-p, ragged num_draft, an extension (its first
+    token a guess) and a batch above the largest bucket (eager fallback): the same tokens and the
+    same transport-dtype distributions, bit for bit; the graphs served the positions that fit."""
+    from specdec.sampling.params import SamplingParams
+    _, draft_path = make_pair(tmp_path)
+    engines = [DraftEngine(EngineConfig(model=draft_path, device="cuda", dtype=dtype, num_blocks=256,
+                                        block_size=16, warmup_batch_sizes=(1,), graph_batch_sizes=(1, 2, 4),
+                                        max_num_draft=8, sampler_graphs=on)) for on in (False, True)]
+    assert engines[0].sampler is None and engines[1].sampler is not None
+    rows = [SamplingParams(temperature=0.9, top_k=20, seed=7), SamplingParams(temperature=1.1, seed=8),
+            SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=9)]
+
+    def run(e):
+        out = e.propose([DraftSeqInput(i, 0, list(PROMPTS[i]), k, rows[i], first=True)
+                         for i, k in enumerate([4, 2, 3, 4])]).outputs
+        out += e.propose([DraftSeqInput(0, 2, [], 3, rows[0], extend=True),
+                          DraftSeqInput(1, 1, [44], 2, rows[1]),
+                          DraftSeqInput(3, 4, [], 5, rows[3], extend=True)]).outputs
+        out += e.propose([DraftSeqInput(10 + i, 0, [i + 1, 2, 3], 3, rows[i % 4], first=True)
+                          for i in range(6)]).outputs
+        return out
+
+    eager, graphed = run(engines[0]), run(engines[1])
+    assert engines[1].sampler.replays >= 4 + 5
+    for a, b in zip(eager, graphed):
+        assert a.error is None and b.error is None and a.tokens == b.tokens
+        assert (a.probs is None) == (b.probs is None)
+        if a.probs is not None:
+            assert torch.equal(a.probs, b.probs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampled_verifies_on_graphs_equal_eager_rejection(tmp_path, dtype):
+    """The target's rejection graphs (sampling/graphs.GraphedVerifier) against the same engine
+    sampling op by op: sampled and greedy sequences, ragged draft counts (0 included), four steps
+    of the same drafts and probabilities: the same verdicts; the graphs served every step."""
+    from specdec.sampling.params import SamplingParams
+    from tests.unit.test_sampler_graphs import verify_alike
+    target_path, _ = make_pair(tmp_path)
+    targets = [TargetEngine(EngineConfig(model=target_path, device="cuda", dtype=dtype, num_blocks=256,
+                                         block_size=16, warmup_batch_sizes=(1,), graph_batch_sizes=(1, 2, 4),
+                                         max_num_draft=6, sampler_graphs=on)) for on in (False, True)]
+    assert targets[0].verifier is None and targets[1].verifier is not None
+    verify_alike(targets, [SamplingParams(temperature=0.9, top_k=30, seed=7), SamplingParams(),
+                           SamplingParams(temperature=1.2, top_p=0.9, seed=8)], PROMPTS[:3])
+    assert targets[1].verifier.replays == 4
