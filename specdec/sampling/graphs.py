@@ -40,7 +40,7 @@ F32, F64, I64, BOOL = torch.float32, torch.float64, torch.int64, torch.bool
 
 @dataclass
 class _SamplerGraph:
-    graph: object              # torch.cuda.CUDAGraph (tests replay a CPU stand-in)
+    graph: object              # torch.cuda.CUDAGraph (tests replay a CPU stand-in); None: statics only
     packed: PackedBuffer       # parameters, positions, guess flags, output row
     logits: torch.Tensor       # [b, V] float32 static input
 
@@ -49,7 +49,17 @@ class _Buckets(GraphCaptures):
     """One graph per batch bucket and filter set: with the sort (some sampled row uses top-k or
     top-p) or without it."""
     batch_sizes: tuple[int, ...]
-    graphs: dict
+    graphs: dict   # (batch bucket, with the sort) -> graph
+
+    def _capture_all(self) -> None:
+        """Both filter sets of every bucket, largest first (smaller captures reuse the pool); the
+        two graphs of a bucket share its static buffers (one graph replays at a time)."""
+        pool = self._new_pool()
+        self.graphs = {}
+        for b in reversed(self.batch_sizes):
+            statics = self._statics(b)
+            for sort in (True, False):
+                self.graphs[(b, sort)] = self._capture(b, sort, pool, statics)
 
     def _graph_for(self, n: int, params: Sequence[SamplingParams]):
         b = next(b for b in self.batch_sizes if b >= n)
@@ -69,11 +79,7 @@ class GraphedSampler(_Buckets):
         self.tokens = torch.zeros(max_steps, bmax, dtype=I64, device=device)
         self.q = torch.zeros(max_steps, bmax, vocab_size, dtype=transport_dtype, device=device)
         self.replays = 0
-        pool = self._new_pool()
-        self.graphs: dict[tuple[int, bool], _SamplerGraph] = {}
-        for b in reversed(self.batch_sizes):  # largest first: smaller captures reuse the pool
-            for sort in (True, False):
-                self.graphs[(b, sort)] = self._capture(b, sort, pool)
+        self._capture_all()
 
     def _layout(self, b: int) -> list[tuple[int, torch.dtype]]:
         # temperature, top_p, min_p; top_k; greedy; uniforms; the output row
@@ -85,11 +91,15 @@ class GraphedSampler(_Buckets):
                 rows.top_k + [0] * pad, rows.greedy + [True] * pad, list(u) + [0.0] * pad, [step]]
 
     @torch.inference_mode()
-    def _capture(self, b: int, sort: bool, pool) -> _SamplerGraph:
+    def _statics(self, b: int) -> _SamplerGraph:
         packed = PackedBuffer(self._layout(b), self.device)
         # Capture-time contents: greedy rows of harmless values (the warm-up runs draw from them).
-        v = packed.fill(self._arrays(host_rows([SamplingParams()] * b, [0] * b), [0.0] * b, 0, 0))
-        logits = torch.zeros(b, self.vocab_size, dtype=F32, device=self.device)
+        packed.fill(self._arrays(host_rows([SamplingParams()] * b, [0] * b), [0.0] * b, 0, 0))
+        return _SamplerGraph(None, packed, torch.zeros(b, self.vocab_size, dtype=F32, device=self.device))
+
+    @torch.inference_mode()
+    def _capture(self, b: int, sort: bool, pool, statics: _SamplerGraph) -> _SamplerGraph:
+        packed, logits, v = statics.packed, statics.logits, statics.packed.views
         # seeds are not read: the uniforms come staged (rng.uniform_host)
         tensors = SamplingTensors(temperature=v[0], top_p=v[1], min_p=v[2], top_k=v[3], greedy=v[4],
                                   seeds=v[3], all_greedy=False, any_top_k=sort, any_top_p=sort,
@@ -156,11 +166,7 @@ class GraphedVerifier(_Buckets):
         self.vocab_size, self.kmax, self.device = vocab_size, kmax, device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.replays = 0
-        pool = self._new_pool()
-        self.graphs: dict[tuple[int, bool], _VerifierGraph] = {}
-        for b in reversed(self.batch_sizes):
-            for sort in (True, False):
-                self.graphs[(b, sort)] = self._capture(b, sort, pool)
+        self._capture_all()
 
     def _layout(self, b: int) -> list[tuple[int, torch.dtype]]:
         r, m, kq = b * (self.kmax + 1), b * self.kmax, self.kmax + 1
@@ -177,16 +183,22 @@ class GraphedVerifier(_Buckets):
                 [c for row in layout for c in row], list(u_acc), list(u_res)]
 
     @torch.inference_mode()
-    def _capture(self, b: int, sort: bool, pool) -> _VerifierGraph:
+    def _statics(self, b: int) -> _VerifierGraph:
         kq, v = self.kmax + 1, self.vocab_size
         packed = PackedBuffer(self._layout(b), self.device)
         rows = host_rows([SamplingParams()] * (b * kq), [0] * (b * kq))
         zeros = [0.0] * (b * kq)
-        t = packed.fill(self._arrays(b, rows, [0] * (b * self.kmax), [self.kmax] * b, zeros, zeros))
-        logits = torch.zeros(b * kq, v, dtype=F32, device=self.device)
+        packed.fill(self._arrays(b, rows, [0] * (b * self.kmax), [self.kmax] * b, zeros, zeros))
         draft_probs = torch.zeros(b * self.kmax, v, dtype=F32, device=self.device)
         draft_probs[:, 0] = 1.0   # capture-time rows: one-hot
-        out = torch.zeros(b, self.kmax + 3, dtype=I64, device=self.device)
+        return _VerifierGraph(None, packed, torch.zeros(b * kq, v, dtype=F32, device=self.device), draft_probs,
+                              torch.zeros(b, self.kmax + 3, dtype=I64, device=self.device))
+
+    @torch.inference_mode()
+    def _capture(self, b: int, sort: bool, pool, statics: _VerifierGraph) -> _VerifierGraph:
+        kq = self.kmax + 1
+        packed, logits, draft_probs, out = statics.packed, statics.logits, statics.draft_probs, statics.out
+        t = packed.views
         tensors = SamplingTensors(temperature=t[0], top_p=t[1], min_p=t[2], top_k=t[3], greedy=t[4],
                                   seeds=t[3], all_greedy=False, any_top_k=sort, any_top_p=sort,
                                   any_min_p=True)

@@ -60,14 +60,17 @@ def _eager(logits, params, seeds, positions, guess, dtype=torch.float16):
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [1, 3, 4], [4], [2, 0]], ids=str)
 def test_sampler_gives_the_bits_of_eager_draft_sample(rows):
-    """Bucket padding (3 rows in a bucket of 4), both filter sets (rows [1, 3, 4] use no sort),
-    guesses on some rows, successive output rows: tokens and q equal eager draft_sample's."""
+    """Bucket padding (3 rows in a bucket of 4), both filter sets (rows [1, 3, 4] use no sort; the
+    second position drops the sorting filters), guesses on some rows, successive output rows:
+    tokens and q equal eager draft_sample's."""
     sampler = CpuSampler(V, (1, 4, 8), 4, torch.float16, torch.device("cpu"))
     gen = torch.Generator().manual_seed(len(rows))
     params = [ROWS[r] for r in rows]
     seeds = [11 * r + 7 for r in rows]
     outs = []
     for step in range(3):
+        if step == 1:  # the other filter set in between: the bucket's two graphs share its buffers
+            params = [ROWS[4] if p.top_k or p.top_p < 1 else p for p in params]
         logits = torch.randn(len(rows), V, generator=gen) * 3
         positions = [40 + 3 * j + step for j in range(len(rows))]
         guess = [j % 2 == 0 for j in range(len(rows))] if step == 0 else None
