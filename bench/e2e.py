@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import sys
 import tempfile
 import time
@@ -233,7 +234,7 @@ def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]]
     log_root.mkdir(parents=True, exist_ok=True)
     try:
         target = spawn_server("target", target_path, log_root, device=target_dev,
-                              args=args + list(target_args))
+                              args=args + list(target_args) + shlex.split(a.target_args))
         procs.append(target)
         draft = None
         for i, (dlabel, dpath) in enumerate(drafts):
@@ -245,7 +246,8 @@ def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]]
                 stop_all([draft])
             log_dir = log_root / f"draft{i}"
             log_dir.mkdir(parents=True, exist_ok=True)
-            draft = spawn_server("draft", dpath, log_dir, device=draft_dev, args=args + list(draft_args))
+            draft = spawn_server("draft", dpath, log_dir, device=draft_dev,
+                                 args=args + list(draft_args) + shlex.split(a.draft_args))
             procs.append(draft)
             for proc in (target, draft):
                 wait_healthy(proc, a.startup_timeout)
@@ -342,6 +344,9 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k truncation")
     p.add_argument("--pipeline", action="store_true",
                    help="also time each speculative pass through a second coordinator with --pipeline")
+    p.add_argument("--draft-args", default="",
+                   help="more arguments for every draft server, one string (--draft-args=--no-sampler-graphs)")
+    p.add_argument("--target-args", default="", help="more arguments for every target server, one string")
     p.add_argument("--drafts", nargs="+", choices=SEVEN_B_DRAFTS,
                    help="draft shapes of the 7B sections (default: all three; --quick: the 68m)")
     p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu 7b-2gpu hf-7b")
@@ -441,7 +446,8 @@ def main(argv=None) -> int:
                            "random_agreement_7b": a.agreement if a.agreement >= 0 else None,
                            "dtype": str(dtype).removeprefix("torch."),
                            "busy_poll_ms": a.busy_poll_ms if a.device == "cuda" else 0,
-                           "pipeline": a.pipeline},
+                           "pipeline": a.pipeline, "draft_args": a.draft_args,
+                           "target_args": a.target_args},
               "rows": rows, "hf": hf_rows, "skipped": skipped,
               "elapsed_s": a.deadline - clock.left(), "work_dir": str(work)}
     path = write_result("e2e_smoke" if a.smoke else "e2e", result)
