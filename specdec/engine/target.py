@@ -48,9 +48,9 @@ class TargetEngine(ModelEngine):
 
     def _capture_graphs(self) -> None:
         super()._capture_graphs()
-        if self.config.sampler_graphs:
+        kmax = max(self.runner.graphs.query_lens) - 1   # verifies of up to kmax drafts are graphed
+        if self.config.sampler_graphs and kmax >= 1:     # (kmax 0: no verify graphs, none needed)
             t0 = time.perf_counter()
-            kmax = max(self.runner.graphs.query_lens) - 1
             self.verifier = GraphedVerifier(self.vocab_size, self.config.graph_batch_sizes, kmax, self.device)
             log.info("captured %d rejection-sampling graphs (up to %d drafts) in %.1fs",
                      len(self.verifier.graphs), kmax, time.perf_counter() - t0)

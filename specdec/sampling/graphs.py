@@ -162,6 +162,8 @@ class GraphedVerifier(_Buckets):
     as it treats no rows), and every filter on gives the bits of the filters the rows use."""
 
     def __init__(self, vocab_size: int, batch_sizes: Sequence[int], kmax: int, device: torch.device):
+        if kmax < 1:
+            raise ValueError(f"GraphedVerifier: kmax {kmax}; a verify without drafts has nothing to reject")
         self._check_device(device)
         self.vocab_size, self.kmax, self.device = vocab_size, kmax, device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))

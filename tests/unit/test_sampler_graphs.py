@@ -58,11 +58,11 @@ def _eager(logits, params, seeds, positions, guess, dtype=torch.float16):
     return tokens, q.to(dtype)
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [1, 3, 4], [4], [2, 0]], ids=str)
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [1, 3, 4], [4], [2, 0], [2, 4]], ids=str)
 def test_sampler_gives_the_bits_of_eager_draft_sample(rows):
-    """Bucket padding (3 rows in a bucket of 4), both filter sets (rows [1, 3, 4] use no sort; the
-    second position drops the sorting filters), guesses on some rows, successive output rows:
-    tokens and q equal eager draft_sample's."""
+    """Bucket padding (3 rows in a bucket of 4), both filter sets (rows [1, 3, 4] use no sort,
+    [2, 4] top-p alone; the second position drops the sorting filters), guesses on some rows,
+    successive output rows: tokens and q equal eager draft_sample's."""
     sampler = CpuSampler(V, (1, 4, 8), 4, torch.float16, torch.device("cpu"))
     gen = torch.Generator().manual_seed(len(rows))
     params = [ROWS[r] for r in rows]
@@ -167,9 +167,12 @@ def test_verifier_gives_the_bits_of_eager_rejection_sample(case):
     deterministic (no rows sent), both filter sets: the verdicts of rejection_sample."""
     gen = torch.Generator().manual_seed(case)
     verifier = CpuVerifier(V, (1, 4, 8), 5, torch.device("cpu"))
-    picks = [[0, 2, 3], [4], [1, 4, 0, 5, 3], [5, 5], [2, 3, 4, 0, 1, 5]][case]
+    picks = [[0, 2, 3], [4], [1, 4, 0, 5, 3], [4, 2, 4], [2, 3, 4, 0, 1, 5]][case]
     params = [ROWS[i] for i in picks]
-    counts = [[3, 0, 5], [2], [4, 1, 0, 5, 3], [1, 4], [5, 5, 2, 0, 3, 1]][case]
+    if case == 3:  # deterministic drafts at the argmax of rows whose top token has ~half the mass
+        params = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.8, top_k=40, seed=12),
+                  SamplingParams(temperature=0.9, seed=13)]
+    counts = [[3, 0, 5], [2], [4, 1, 0, 5, 3], [2, 4, 3], [5, 5, 2, 0, 3, 1]][case]
     seeds = [1000 + 17 * i for i in range(len(picks))]
     positions = [30 + 5 * i for i in range(len(picks))]
     m = sum(counts)
@@ -189,7 +192,14 @@ def test_verifier_gives_the_bits_of_eager_rejection_sample(case):
             q[row:row + k] = 0.0
             q[range(row, row + k), drafts[row:row + k]] = 1.0
         row += k
-    dq = None if case == 3 else q          # case 3: every draft deterministic, no rows sent
+    if case == 3:
+        # Every draft deterministic, no rows sent (q one-hot at the draft): the drafts are the target
+        # rows' argmaxes, made to hold about half of their row's mass, so that some are accepted
+        # and the rejections' residuals (p without the draft) depend on the one-hot rows.
+        rows_of_drafts = [sum(counts[:i]) + i + j for i, k in enumerate(counts) for j in range(k)]
+        drafts = logits[rows_of_drafts].argmax(-1)
+        logits[rows_of_drafts, drafts] += 1.5
+    dq = None if case == 3 else q
     got = verifier.verify(logits, drafts.tolist(), dq, counts, params, seeds, positions)
     want = rejection_sample(logits, drafts, dq, counts, SamplingTensors.from_params(params, "cpu", seeds),
                             positions).to_host()
@@ -198,6 +208,8 @@ def test_verifier_gives_the_bits_of_eager_rejection_sample(case):
 
 
 def test_verifier_refuses_what_it_does_not_fit():
+    with pytest.raises(ValueError, match="kmax 0"):
+        CpuVerifier(V, (1,), 0, torch.device("cpu"))
     verifier = CpuVerifier(V, (1, 2), 3, torch.device("cpu"))
     assert verifier.fits(2, 3, V) and not verifier.fits(3, 1, V) and not verifier.fits(1, 4, V)
     assert not verifier.fits(1, 1, V + 1)
