@@ -4,7 +4,6 @@ drafted position)."""
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from specdec.config import EngineConfig
 from specdec.runner import SeqInput
 from specdec.sampling.draft import draft_sample, greedy_tokens
 from specdec.sampling.graphs import GraphedSampler
-from specdec.sampling.probs import SamplingTensors
+from specdec.sampling.probs import SamplingTensors, resolve_seeds
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
@@ -149,7 +148,7 @@ class DraftEngine(ModelEngine):
             # whole step, the position of its first draft, and whether that draft is a guess of
             # the target's token (the first of an extension; see draft_sample).
             sampling = [plans[i].seq.sampling for i in active]
-            seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in sampling]
+            seeds = resolve_seeds(sampling)
             first_pos = [len(plans[i].tokens) for i in active]
             guess = [bool(plans[i].seq.extend) for i in active]
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]

@@ -2,7 +2,6 @@
 rejection sampling, and KV rollback to the accepted prefix."""
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ import torch
 
 from specdec.runner import SeqInput
 from specdec.sampling.graphs import GraphedVerifier
-from specdec.sampling.probs import SamplingTensors
+from specdec.sampling.probs import SamplingTensors, resolve_seeds
 from specdec.sampling.rejection import greedy_accept_rows, one_hot_probs, rejection_sample
 from specdec.staging import as_device_tensor, to_device
 from specdec.engine.base import Admission, ModelEngine, log
@@ -135,7 +134,7 @@ class TargetEngine(ModelEngine):
         counts = [len(p.seq.draft_tokens) for p in sp]
         drafts = [t for p in sp for t in p.seq.draft_tokens]
         params = [p.seq.sampling for p in sp]
-        seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
+        seeds = resolve_seeds(params)
         positions = [p.first_draft_position for p in sp]
         if self.verifier is not None and self.verifier.fits(len(sp), max(counts), flat_logits.shape[1]):
             out = self.verifier.verify(flat_logits, drafts, self._draft_probs(sp), counts, params, seeds,

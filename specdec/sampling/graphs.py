@@ -4,7 +4,8 @@ A sampled draft position is one forward and then ~60 small tensor ops: temperatu
 (a sort of the vocabulary), softmax, min-p, rounding to the transport dtype, the counter-based
 uniforms (about thirty integer ops) and the inverse-CDF draw. Launched one by one they cost far
 more host time than the GPU spends on them: on the H200 host the 7B / 68m pair's draft spent 7.3 ms
-of host time per 4-token sampled step against 1.3 ms of forwards (bench/results/e2e_sampled.json).
+of host time per 4-token sampled step against 1.3 ms of forwards
+(bench/results/e2e_sampled_before_sampler_graphs.json).
 A replay launches them all at once.
 
 One graph per batch bucket b and filter set: the rows' parameters and uniforms are static inputs
@@ -17,8 +18,9 @@ The graph runs draft_sample itself, with every filter of its set switched on for
 (probs.filter_flags: a filter a row does not use leaves its bits unchanged). The uniforms are
 computed on the host (rng.uniform_host: the counter-based hash in numpy, the same float64 bits as
 the device's ~30 integer kernels per call; a guess row's is its RESAMPLE number, as draft_sample
-picks): the same bits as the eager call. Two filter sets are captured: with the sort (some row uses top-k or top-p) and
-without it (temperature and min-p only), since the sort is most of the GPU time.
+picks): the same bits as the eager call. Two filter sets are captured: with the sort (some row
+uses top-k or top-p) and without it (temperature and min-p only), since the sort is most of the
+GPU time.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ import torch
 from specdec.cuda_graphs import GraphCaptures
 from specdec.sampling.draft import draft_sample
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.probs import HostRows, SamplingTensors, host_rows, logits_to_probs
-from specdec.sampling.rejection import HostSpecOutput, accept_from, check_counts, layout_rows
+from specdec.sampling.probs import SamplingTensors, filter_flags, host_rows, logits_to_probs
+from specdec.sampling.rejection import HostSpecOutput, accept_from, check_counts, layout_rows, layout_width
 from specdec.sampling.rng import ACCEPT, DRAFT, RESAMPLE, uniform_host
 from specdec.staging import PackedBuffer
 
@@ -41,7 +43,7 @@ F32, F64, I64, BOOL = torch.float32, torch.float64, torch.int64, torch.bool
 @dataclass
 class _SamplerGraph:
     graph: object              # torch.cuda.CUDAGraph (tests replay a CPU stand-in); None: statics only
-    packed: PackedBuffer       # parameters, positions, guess flags, output row
+    packed: PackedBuffer       # parameters, uniforms, output row
     logits: torch.Tensor       # [b, V] float32 static input
 
 
@@ -63,8 +65,8 @@ class _Buckets(GraphCaptures):
 
     def _graph_for(self, n: int, params: Sequence[SamplingParams]):
         b = next(b for b in self.batch_sizes if b >= n)
-        sort = any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
-        return self.graphs[(b, sort)], b
+        flags = filter_flags(params)
+        return self.graphs[(b, flags["any_top_k"] or flags["any_top_p"])], b
 
 
 class GraphedSampler(_Buckets):
@@ -173,7 +175,7 @@ class GraphedVerifier(_Buckets):
     def _layout(self, b: int) -> list[tuple[int, torch.dtype]]:
         r, m, kq = b * (self.kmax + 1), b * self.kmax, self.kmax + 1
         # per target row: temperature, top_p, min_p; top_k; greedy. Draft tokens; layout; uniforms.
-        return [(r, F32)] * 3 + [(r, I64), (r, BOOL), (m, I64), (b * (2 * self.kmax + 5), I64),
+        return [(r, F32)] * 3 + [(r, I64), (r, BOOL), (m, I64), (b * layout_width(self.kmax), I64),
                                  (b * kq, F64), (b * kq, F64)]
 
     def _arrays(self, b: int, rows, drafts: list[int], counts: list[int], u_acc, u_res) -> list[list]:
@@ -204,13 +206,13 @@ class GraphedVerifier(_Buckets):
         tensors = SamplingTensors(temperature=t[0], top_p=t[1], min_p=t[2], top_k=t[3], greedy=t[4],
                                   seeds=t[3], all_greedy=False, any_top_k=sort, any_top_p=sort,
                                   any_min_p=True)
-        drafts, layout = t[5], t[6].view(b, 2 * self.kmax + 5)
+        drafts, layout = t[5], t[6].view(b, layout_width(self.kmax))
         u_acc, u_res = t[7].view(b, kq), t[8].view(b, kq)
 
         def body():
             p = logits_to_probs(logits, tensors)
             res = accept_from(p, drafts, draft_probs, layout, self.kmax, u_acc, u_res)
-            out.copy_(torch.cat([res.accepted[:, None], res.num_emitted[:, None], res.tokens], 1))
+            out.copy_(res.packed())
 
         return _VerifierGraph(self._record(body, pool)[0], packed, logits, draft_probs, out)
 
@@ -232,8 +234,7 @@ class GraphedVerifier(_Buckets):
                              f"{target_logits.shape[1]} ids, {len(params)} params")
         g, b = self._graph_for(nseq, params)
         seq_rows = host_rows(params, seeds)
-        per_row = [i for i, c in enumerate(counts) for _ in range(c + 1)]   # target row -> sequence
-        rows = HostRows(*([getattr(seq_rows, f)[i] for i in per_row] for f in HostRows.__dataclass_fields__))
+        rows = seq_rows.take([i for i, c in enumerate(counts) for _ in range(c + 1)])   # per target row
         kq = self.kmax + 1
         s = [seq_rows.seeds[i] for i in range(nseq) for _ in range(kq)]
         at = [positions[i] + j for i in range(nseq) for j in range(kq)]
@@ -250,5 +251,4 @@ class GraphedVerifier(_Buckets):
                 g.draft_probs[:m].copy_(draft_probs)
         g.graph.replay()
         self.replays += 1
-        host = g.out[:nseq].cpu().tolist()
-        return HostSpecOutput([r[0] for r in host], [r[1] for r in host], [r[2:2 + r[1]] for r in host])
+        return HostSpecOutput.from_rows(g.out[:nseq].cpu().tolist())

@@ -80,11 +80,20 @@ class HostRows:
     seeds: list[int]          # int64 bits of the uint64 seeds
     greedy: list[bool]
 
+    def take(self, rows: Sequence[int]) -> "HostRows":
+        """The rows at `rows` (repeats allowed), as SamplingTensors.index does on the device."""
+        return HostRows(*([getattr(self, f)[i] for i in rows] for f in self.__dataclass_fields__))
+
+
+def resolve_seeds(params: Sequence[SamplingParams]) -> list[int]:
+    """Each row's seed: its own, or a fresh random one (lossless, not reproducible)."""
+    return [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
+
 
 def host_rows(params: Sequence[SamplingParams], seeds: Sequence[int] | None = None) -> HostRows:
     """seeds overrides params' seeds; a row with neither gets a fresh random seed (from_params)."""
     if seeds is None:
-        seeds = [p.seed if p.seed is not None else secrets.randbits(64) for p in params]
+        seeds = resolve_seeds(params)
     if len(seeds) != len(params):
         raise ValueError(f"seeds: {len(seeds)} for {len(params)} rows")
     return HostRows([1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],

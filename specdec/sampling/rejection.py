@@ -37,6 +37,11 @@ class HostSpecOutput:
     num_emitted: list[int]
     tokens: list[list[int]]  # per sequence: accepted drafts, then the correction or bonus token
 
+    @classmethod
+    def from_rows(cls, rows: list[list[int]]) -> "HostSpecOutput":
+        """From SpecOutput.packed() rows on the host."""
+        return cls([r[0] for r in rows], [r[1] for r in rows], [r[2:2 + r[1]] for r in rows])
+
 
 @dataclass(frozen=True)
 class SpecOutput:
@@ -44,11 +49,13 @@ class SpecOutput:
     tokens: torch.Tensor       # [B, max_k+1] int64: accepted drafts, then correction/bonus; -1 after
     num_emitted: torch.Tensor  # [B] int64, accepted + 1
 
+    def packed(self) -> torch.Tensor:
+        """[B, max_k + 3]: accepted, emitted, then the tokens (what HostSpecOutput.from_rows reads)."""
+        return torch.cat([self.accepted[:, None], self.num_emitted[:, None], self.tokens], 1)
+
     def to_host(self) -> HostSpecOutput:
         """One device-to-host copy of everything."""
-        packed = torch.cat([self.accepted[:, None], self.num_emitted[:, None], self.tokens], 1).cpu()
-        rows = packed.tolist()
-        return HostSpecOutput([r[0] for r in rows], [r[1] for r in rows], [r[2:2 + r[1]] for r in rows])
+        return HostSpecOutput.from_rows(self.packed().cpu().tolist())
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -79,7 +86,7 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, count
     dev = target_logits.device
     m = draft_tokens.shape[0]
     layout, kmax = _layout(counts, target_logits.shape[0], m, dev)
-    k, p_start, p_rows, q_rows = layout[:, 0], layout[:, 1], layout[:, 3:kmax + 4], layout[:, kmax + 4:]
+    k, p_start, p_rows, q_rows = layout[:, 0], layout[:, 1], layout[:, 2:kmax + 3], layout[:, kmax + 3:]
     best = target_logits.float().argmax(-1)                                      # [N]
     j = torch.arange(kmax + 1, device=dev)[None, :]
     x = to_device(draft_tokens, dev)[q_rows] if m else torch.zeros_like(p_rows)   # [B, kmax+1]
@@ -108,14 +115,18 @@ def greedy_accept_rows(best: Sequence[int], drafts: Sequence[Sequence[int]]) -> 
     return out
 
 
+def layout_width(kmax: int) -> int:
+    return 2 * kmax + 4
+
+
 def layout_rows(counts: Sequence[int], kmax: int, m: int) -> list[list[int]]:
-    """The padded [B, 2 kmax + 5] layout of the flat rows as host lists: per sequence its k,
-    p_start and q_start, then kmax+1 target rows (the last repeated past k) and kmax+1 draft rows
+    """The padded [B, layout_width(kmax)] layout of the flat rows as host lists: per sequence its
+    k and p_start, then kmax+1 target rows (the last repeated past k) and kmax+1 draft rows
     (clamped to the m - 1 drafts there are). kmax may exceed the counts' (the graphed verifier
     pads every step to its own)."""
     rows, p0, q0, last = [], 0, 0, max(m - 1, 0)
     for k in counts:
-        rows.append([k, p0, q0, *(p0 + min(j, k) for j in range(kmax + 1)),
+        rows.append([k, p0, *(p0 + min(j, k) for j in range(kmax + 1)),
                      *(min(q0 + j, last) for j in range(kmax + 1))])
         p0, q0 = p0 + k + 1, q0 + k
     return rows
@@ -127,7 +138,7 @@ def _layout(counts: Sequence[int], n: int, m: int, dev: torch.device) -> tuple[t
     target rows and m draft tokens."""
     check_counts(counts, n, m)
     kmax = max(counts, default=0)
-    layout = torch.tensor(layout_rows(counts, kmax, m), dtype=torch.int64).reshape(len(counts), 2 * kmax + 5)
+    layout = torch.tensor(layout_rows(counts, kmax, m), dtype=torch.int64).reshape(len(counts), layout_width(kmax))
     return to_device(layout, dev), kmax
 
 
@@ -166,13 +177,13 @@ def rejection_sample_probs(target_probs: torch.Tensor, draft_tokens: torch.Tenso
 def accept_from(target_probs: torch.Tensor, draft_tokens: torch.Tensor | None,
                 draft_probs: torch.Tensor | None, layout: torch.Tensor, kmax: int,
                 u_accept: torch.Tensor, u_resample: torch.Tensor) -> SpecOutput:
-    """The rule itself, tensor ops only (what the graphed verifier captures): layout [B, 2 kmax
-    + 5] (layout_rows), u_accept / u_resample [B, kmax + 1] float64: the ACCEPT and RESAMPLE
+    """The rule itself, tensor ops only (what the graphed verifier captures): layout [B,
+    layout_width(kmax)] (layout_rows), u_accept / u_resample [B, kmax + 1] float64: the ACCEPT and RESAMPLE
     uniforms at each sequence's positions first + j. draft_tokens None: no drafts in the batch;
     draft_probs None: every draft deterministic (q one-hot at it). Rows past a sequence's k are
     never read into its result, so padding may hold anything."""
-    k, p_start, q_start = layout[:, 0], layout[:, 1], layout[:, 2]
-    p_rows, q_rows = layout[:, 3:kmax + 4], layout[:, kmax + 4:]
+    k, p_start = layout[:, 0], layout[:, 1]
+    p_rows, q_rows = layout[:, 2:kmax + 3], layout[:, kmax + 3:]
     j = torch.arange(kmax + 1, device=layout.device)[None, :]   # made on the device: no copy at all
     is_draft = j < k[:, None]                                                   # [B, kmax+1]
 
@@ -189,7 +200,7 @@ def accept_from(target_probs: torch.Tensor, draft_tokens: torch.Tensor | None,
 
     p_final = target_probs[p_start + accepted]                                   # [B, V]
     if draft_tokens is not None:
-        q_row = q_rows.gather(1, accepted[:, None]).squeeze(1)   # q_start + accepted, clamped
+        q_row = q_rows.gather(1, accepted[:, None]).squeeze(1)   # the row after the accepted drafts
         if draft_probs is None:
             q_final = torch.zeros_like(p_final).scatter_(1, draft_tokens[q_row, None], 1.0)
         else:
