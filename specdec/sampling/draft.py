@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels import sampling as fused
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rng import DRAFT, RESAMPLE, uniform
 from specdec.sampling.transport import round_probs, sample_from
@@ -31,16 +32,23 @@ def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torc
     """
     if tensors.all_greedy:
         return greedy_tokens(logits), None
+    if u is None:
+        positions = to_device(positions, tensors.seeds.device)
+        u = uniform(tensors.seeds, positions, DRAFT)
+        if guess is not None:
+            # Rows that guess the target's own next token (the first token of a pipelined
+            # extension, never verified as a draft) draw with the uniform of the target's bonus
+            # sample at that position (rng.RESAMPLE), by the same inverse CDF: the two draws agree
+            # whenever that uniform falls where the token's CDF intervals under q and p overlap,
+            # which is most of the time when q is close to p (independent draws agree with
+            # probability sum p*q).
+            u = torch.where(to_device(guess, u.device), uniform(tensors.seeds, positions, RESAMPLE), u)
+    if fused.applies(logits):   # one kernel: filters, softmax, rounding and the draw
+        rows, v = logits.shape
+        q = torch.empty(rows, v, dtype=transport_dtype, device=logits.device)
+        tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        t = tensors
+        fused.fused_sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.greedy, u, q, tokens)
+        return tokens, q.float()
     q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
-    if u is not None:  # the row's uniforms computed elsewhere (rng.uniform_host), guesses included
-        return sample_from(q, u), q
-    positions = to_device(positions, tensors.seeds.device)
-    u = uniform(tensors.seeds, positions, DRAFT)
-    if guess is not None:
-        # Rows that guess the target's own next token (the first token of a pipelined extension,
-        # never verified as a draft) draw with the uniform of the target's bonus sample at that
-        # position (rng.RESAMPLE), by the same inverse CDF: the two draws agree whenever that
-        # uniform falls where the token's CDF intervals under q and p overlap, which is most of
-        # the time when q is close to p (independent draws agree with probability sum p*q).
-        u = torch.where(to_device(guess, u.device), uniform(tensors.seeds, positions, RESAMPLE), u)
     return sample_from(q, u), q

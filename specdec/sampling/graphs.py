@@ -1,6 +1,6 @@
 """The draft's sampling (draft_sample) on CUDA graphs.
 
-A sampled draft position is one forward and then ~60 small tensor ops: temperature, top-k / top-p
+In torch, a sampled draft position is one forward and then ~60 small tensor ops: temperature, top-k / top-p
 (a sort of the vocabulary), softmax, min-p, rounding to the transport dtype, the counter-based
 uniforms (about thirty integer ops) and the inverse-CDF draw. Launched one by one they cost far
 more host time than the GPU spends on them: on the H200 host the 7B / 68m pair's draft spent 7.3 ms
@@ -18,9 +18,11 @@ The graph runs draft_sample itself, with every filter of its set switched on for
 (probs.filter_flags: a filter a row does not use leaves its bits unchanged). The uniforms are
 computed on the host (rng.uniform_host: the counter-based hash in numpy, the same float64 bits as
 the device's ~30 integer kernels per call; a guess row's is its RESAMPLE number, as draft_sample
-picks): the same bits as the eager call. Two filter sets are captured: with the sort (some row
-uses top-k or top-p) and without it (temperature and min-p only), since the sort is most of the
-GPU time.
+picks): the same bits as the eager call. On CUDA the body is the fused sampling kernel
+(kernels/sampling.py: one program per row picks its own filters and writes row `step` itself), so
+one graph per bucket serves every filter mix. Elsewhere (the CPU stand-in graphs of the tests, or
+CUDA with the kernel switched off) it is torch's draft_sample, and two filter sets are captured:
+with the vocabulary sort (some row uses top-k or top-p) and without it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cuda_graphs import GraphCaptures
+from specdec.kernels import sampling as fused
 from specdec.sampling.draft import draft_sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import SamplingTensors, filter_flags, host_rows, logits_to_probs
@@ -58,15 +61,18 @@ class _Buckets(GraphCaptures):
         two graphs of a bucket share its static buffers (one graph replays at a time)."""
         pool = self._new_pool()
         self.graphs = {}
+        # The fused kernel (CUDA) picks each row's filters itself: one graph per bucket serves all.
+        self.filter_sets = (True,) if fused.applies(torch.empty(0, device=self.device)) else (True, False)
         for b in reversed(self.batch_sizes):
             statics = self._statics(b)
-            for sort in (True, False):
+            for sort in self.filter_sets:
                 self.graphs[(b, sort)] = self._capture(b, sort, pool, statics)
 
     def _graph_for(self, n: int, params: Sequence[SamplingParams]):
         b = next(b for b in self.batch_sizes if b >= n)
         flags = filter_flags(params)
-        return self.graphs[(b, flags["any_top_k"] or flags["any_top_p"])], b
+        sort = flags["any_top_k"] or flags["any_top_p"] or len(self.filter_sets) == 1
+        return self.graphs[(b, sort)], b
 
 
 class GraphedSampler(_Buckets):
@@ -110,6 +116,10 @@ class GraphedSampler(_Buckets):
         tokens, q = self.tokens[:, :b], self.q[:, :b]
 
         def body():
+            if fused.applies(logits):   # draft_sample's CUDA kernel, writing row `at` itself
+                t = tensors
+                fused.fused_sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.greedy, u, q, tokens, step=at)
+                return
             tok, weights = draft_sample(logits, tensors, None, self.dtype, u=u)
             tokens.index_copy_(0, at, tok[None])
             q.index_copy_(0, at, weights.to(self.dtype)[None])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kernels import sampling as fused
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import seed_to_int64
 from specdec.sampling.transport import (  # noqa: F401  (the transport API is reached from here too)
@@ -111,7 +112,11 @@ def filter_flags(params: Sequence[SamplingParams]) -> dict[str, bool]:
 
 
 def logits_to_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits [R, V] -> float32 probabilities [R, V]; greedy rows one-hot at the argmax."""
+    """logits [R, V] -> float32 probabilities [R, V]; greedy rows one-hot at the argmax.
+    On CUDA the fused kernel (kernels/sampling.py: one program per row, the same rules with ties
+    at a top-p boundary all kept); below, torch's ops (the CPU path, and CUDA with it switched off)."""
+    if fused.applies(logits) and not t.all_greedy:
+        return fused.fused_probs(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.greedy)
     logits = logits.float()
     one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     if t.all_greedy:

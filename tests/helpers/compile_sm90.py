@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from specdec.kernels import gemv, triton_attention  # noqa: E402
+from specdec.kernels import gemv, sampling, triton_attention  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -46,6 +46,12 @@ def variants():
                  SPLIT=split, INLINE_MERGE=inline, UPCAST=False, USE_PDL=True, PAGE_AHEAD=ahead)
         yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead}",
                triton_attention._paged_attention_kernel, attn_types, c, 4, 3)
+    for mode, out, step in [(sampling.MODE_FP16, "*fp16", True), (sampling.MODE_BF16, "*bf16", False),
+                            (sampling.MODE_PROBS, "*fp32", False)]:
+        types = {"Logits": "*fp32", "Temp": "*fp32", "TopK": "*i64", "TopP": "*fp32", "MinP": "*fp32",
+                 "Greedy": "*i1", "U": "*fp64", "Out": out, "Tok": "*i64", "Step": "*i64"}
+        c = dict(MODE=mode, HAS_STEP=step, CHUNK=sampling.CHUNK)
+        yield f"sample mode={mode} step={step}", sampling._sample_kernel, types, c, sampling.NUM_WARPS, 1
 
 
 @triton.jit
