@@ -12,6 +12,7 @@ from specdec.runner import SeqInput
 from specdec.sampling.graphs import GraphedVerifier
 from specdec.sampling.probs import SamplingTensors, resolve_seeds
 from specdec.sampling.rejection import greedy_accept_rows, one_hot_probs, rejection_sample
+from specdec.sampling.transport import SparseWeights, scatter_rows
 from specdec.staging import as_device_tensor, to_device
 from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
@@ -36,6 +37,13 @@ class Plan:
     @property
     def first_draft_position(self) -> int:
         return self.start + len(self.seq.new_tokens)
+
+
+def _mass_beyond(q, v: int) -> bool:
+    """Whether draft weights (a tensor or SparseWeights) put mass on ids >= v."""
+    if isinstance(q, SparseWeights):
+        return bool(((q.flat % q.vocab_size >= v) & (q.bits != 0) & (q.bits != -0x8000)).any())
+    return bool(q[:, v:].any())
 
 
 class TargetEngine(ModelEngine):
@@ -97,7 +105,7 @@ class TargetEngine(ModelEngine):
             if q.dim() != 2 or q.shape[0] != k:
                 raise SeqFailure(Code.INVALID_ARGUMENT,
                                  f"draft_probs: {tuple(q.shape)} rows for {k} draft tokens")
-            if q.shape[1] > self.vocab_size and bool(q[:, self.vocab_size:].any()):
+            if q.shape[1] > self.vocab_size and _mass_beyond(q, self.vocab_size):
                 raise SeqFailure(Code.INVALID_ARGUMENT,
                                  f"draft_probs: mass on ids outside the target vocabulary of {self.vocab_size}")
         if seq.first:
@@ -150,21 +158,35 @@ class TargetEngine(ModelEngine):
     def _draft_probs(self, plans: list[Plan]) -> torch.Tensor | None:
         """Flat [sum k, V] draft weights, or None when every draft was deterministic. Greedy
         sequences' drafts are deterministic: one-hot rows. A draft vocabulary narrower than the
-        target's is padded with zeros (those ids were never proposed)."""
+        target's is padded with zeros (those ids were never proposed). Sparse rows (SparseWeights,
+        as the wire carried them) are scattered on the device; dense ones take one pinned copy."""
         if all(p.seq.sampling.greedy or not p.seq.draft_tokens for p in plans):
             return None
         v = self.vocab_size
-        rows = []
+        dense, dense_at, sparse = [], [], []
+        offset = 0
         for p in plans:
             k = len(p.seq.draft_tokens)
             if not k:
                 continue
-            if p.seq.sampling.greedy:
-                rows.append(one_hot_probs(torch.tensor(p.seq.draft_tokens), v))
-                continue
-            q = p.seq.draft_probs.cpu()  # the wire's fp16/bf16 (decode_probs keeps it: exact)
-            q = q[:, :v] if q.shape[1] >= v else torch.nn.functional.pad(q, (0, v - q.shape[1]))
-            rows.append(q)
-        # One pinned copy in the rows' own dtype (mixed rows widen to float32 in the cat), then
-        # float32 on the device.
-        return to_device(torch.cat(rows), self.device).float()
+            if isinstance(p.seq.draft_probs, SparseWeights) and not p.seq.sampling.greedy:
+                sparse.append((offset, p.seq.draft_probs))
+            else:
+                if p.seq.sampling.greedy:
+                    q = one_hot_probs(torch.tensor(p.seq.draft_tokens), v)
+                else:
+                    q = p.seq.draft_probs.cpu()  # the wire's fp16/bf16 (decode_probs keeps it: exact)
+                    q = q[:, :v] if q.shape[1] >= v else torch.nn.functional.pad(q, (0, v - q.shape[1]))
+                dense.append(q)
+                dense_at += range(offset, offset + k)
+            offset += k
+        if not sparse:
+            # One pinned copy in the rows' own dtype (mixed rows widen to float32 in the cat), then
+            # float32 on the device.
+            return to_device(torch.cat(dense), self.device).float()
+        out = torch.zeros(offset, v, dtype=torch.float32, device=self.device)
+        scatter_rows(out, sparse)
+        if dense:
+            at = to_device(torch.tensor(dense_at, dtype=torch.int64), self.device)
+            out.index_copy_(0, at, to_device(torch.cat(dense), self.device).float())
+        return out

@@ -14,6 +14,7 @@ rounding); they sum to 1 up to the rounding (|1 - sum| < 2**-11) and every consu
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,10 @@ import torch
 from specdec.staging import to_device
 
 TRANSPORT_DTYPES = {"DENSE_FP16": torch.float16, "DENSE_BF16": torch.bfloat16}
+# Sparse draft rows stay sparse on the target's host and are scattered on its device (SparseWeights),
+# instead of k x V dense host arrays, a host concatenation and a k x V host-to-device copy per step.
+# SPECDEC_SPARSE_DRAFT_PROBS=0 decodes them densely on the host (the A/B switch of e2e.py runs).
+KEEP_SPARSE = os.environ.get("SPECDEC_SPARSE_DRAFT_PROBS", "1") != "0"
 ENCODINGS = ("DENSE_FP16", "DENSE_BF16", "SPARSE_FP16")  # ProbsEncoding without its prefix
 _BF16_FLUSH = 2.0 ** -40
 
@@ -110,12 +115,53 @@ def encode_probs(weights: torch.Tensor, dtype: torch.dtype = torch.float16,
                         (nonzero % vocab).astype("<i4").tobytes(), lengths.astype("<i4").tobytes())
 
 
+@dataclass(frozen=True)
+class SparseWeights:
+    """Checked sparse draft weights on the host, [rows, vocab_size] in the transport dtype, as the
+    wire carried them (decode_probs(..., keep_sparse=True)): `scatter_rows` writes them into a
+    device tensor with one small copy, where a dense decode moves rows x vocab_size values."""
+    rows: int
+    vocab_size: int
+    dtype: torch.dtype
+    flat: np.ndarray   # int64 row * vocab_size + column (row-major, columns ascending)
+    bits: np.ndarray   # int16: the transport dtype's bits of each value
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.vocab_size)
+
+    def dim(self) -> int:
+        return 2
+
+    def dense(self) -> torch.Tensor:
+        """[rows, vocab_size] on the host in the transport dtype."""
+        bits = np.zeros(self.rows * self.vocab_size, dtype=np.int16)
+        bits[self.flat] = self.bits
+        return torch.from_numpy(bits).view(self.dtype).reshape(self.rows, self.vocab_size)
+
+
+def scatter_rows(out: torch.Tensor, parts: list[tuple[int, SparseWeights]]) -> None:
+    """Writes each part's weights into out [R, V] (zeros where they go) from row `offset` on,
+    with one staged copy of the indices and one of the values; a part's vocabulary may be narrower
+    than V (its ids keep their numbers)."""
+    v = out.shape[1]
+    idx = np.concatenate([(off + w.flat // w.vocab_size) * v + w.flat % w.vocab_size for off, w in parts])
+    bits = np.concatenate([w.bits for _, w in parts])
+    dtype = parts[0][1].dtype
+    if any(w.dtype != dtype for _, w in parts):
+        raise ValueError("scatter_rows: parts of different dtypes")
+    vals = to_device(torch.from_numpy(bits).view(dtype), out.device)
+    out.view(-1)[to_device(torch.from_numpy(idx), out.device)] = vals.to(out.dtype)
+
+
 def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DENSE_FP16",
                  indices: bytes = b"", row_lengths: bytes = b"",
                  device: torch.device | str = "cpu", *, max_vocab: int | None = None,
-                 expected_rows: int | None = None, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+                 expected_rows: int | None = None, dtype: torch.dtype | None = torch.float32,
+                 keep_sparse: bool = False) -> torch.Tensor | SparseWeights:
     """Packed bytes -> weights [rows, vocab_size] on device, exactly what was encoded: float32, or
-    with dtype=None the transport dtype itself (half the bytes to move; exact either way).
+    with dtype=None the transport dtype itself (half the bytes to move; exact either way). With
+    keep_sparse, a sparse encoding comes back checked but sparse (SparseWeights, on the host).
 
     Validates on the host (the bytes come from the network) before one host-to-device copy, on the
     int16 bits with numpy: finite and >= 0 (-0.0 allowed) is 0 <= bits < exponent mask, or -0.0.
@@ -157,16 +203,18 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         if nnz and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
             fail("indices", f"column outside 0..{vocab_size - 1}")
         flat = np.repeat(np.arange(rows, dtype=np.int64) * vocab_size, lengths) + cols
-        seen = np.zeros(rows * vocab_size, dtype=bool)
-        seen[flat] = True
-        if np.count_nonzero(seen) != nnz:
+        if np.unique(flat).size != nnz:
             fail("indices", "a column appears twice in one row")
         vals = np.frombuffer(values, dtype="<i2").astype(np.int16)
         _check_weights(vals, wire_dtype, fail)
-        bits = np.zeros(rows * vocab_size, dtype=np.int16)
-        bits[flat] = vals
         has_mass = np.zeros(rows, dtype=bool)
         has_mass[flat[vals > 0] // vocab_size] = True
+        if keep_sparse:
+            if rows and not has_mass.all():
+                fail("values", "every row needs some probability mass")
+            return SparseWeights(rows, vocab_size, wire_dtype, flat, vals)
+        bits = np.zeros(rows * vocab_size, dtype=np.int16)
+        bits[flat] = vals
     if rows and not has_mass.all():  # non-negative weights: mass iff some bits are positive
         fail("values", "every row needs some probability mass")
     w = torch.from_numpy(bits).view(wire_dtype).reshape(rows, vocab_size)

@@ -13,7 +13,8 @@ from protos.wire import WireError, pack_ids, unpack_ids
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, ModelInfo, SeqError, StepTiming,
                                   VerifyOutput, VerifySeqInput)
 from specdec.sampling.params import SamplingParams, SamplingParamsError
-from specdec.sampling.transport import ProbsDecodeError, decode_probs, encode_probs
+from specdec.sampling import transport
+from specdec.sampling.transport import ProbsDecodeError, SparseWeights, decode_probs, encode_probs
 
 _ENCODING_PREFIX = "PROBS_ENCODING_"
 
@@ -28,9 +29,10 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
                           min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None)
 
 
-def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Tensor | None:
-    """The draft weights [expected_rows, vocab_size <= max_vocab], or None when none were sent.
-    The shape is checked before anything is decoded or allocated."""
+def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Tensor | SparseWeights | None:
+    """The draft weights [expected_rows, vocab_size <= max_vocab], or None when none were sent;
+    a sparse encoding stays sparse (the target scatters it on its device). The shape is checked
+    before anything is decoded or allocated."""
     if msg.encoding == pb.PROBS_ENCODING_UNSPECIFIED:
         return None
     try:
@@ -40,7 +42,8 @@ def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Te
     try:
         # In the transport dtype (exact): the target moves half the bytes and widens on the device.
         return decode_probs(msg.values, msg.rows, msg.vocab_size, encoding, msg.indices,
-                            msg.row_lengths, max_vocab=max_vocab, expected_rows=expected_rows, dtype=None)
+                            msg.row_lengths, max_vocab=max_vocab, expected_rows=expected_rows, dtype=None,
+                            keep_sparse=transport.KEEP_SPARSE)
     except ProbsDecodeError as e:
         raise FieldError(str(e)) from None
 

@@ -214,6 +214,33 @@ def test_sampled_draft_returns_the_distributions_it_sampled(engines):
     target.release([7])
 
 
+def test_sparse_draft_probs_verify_as_dense_ones(engines):
+    """The target's sparse path (SparseWeights as the wire carried them, scattered on the device)
+    against the dense rows: the same verdicts, in a batch mixing sparse, dense and greedy drafts."""
+    from specdec.sampling.transport import SparseWeights, decode_probs, encode_probs
+    draft, target = engines
+    outs = draft.propose([DraftSeqInput(20 + i, 0, [5 + i, 6, 7], 3, SamplingParams(temperature=0.9, top_k=20, seed=i),
+                                        first=True) for i in range(3)]).outputs
+    greedy = draft.propose([DraftSeqInput(23, 0, [4, 4], 2, first=True)]).outputs[0]
+
+    def sparse(q):
+        e = encode_probs(q, sparse=True)
+        return decode_probs(e.values, e.rows, e.vocab_size, e.encoding, e.indices, e.row_lengths,
+                            dtype=None, keep_sparse=True)
+
+    results = []
+    for make in (lambda i, q: q, lambda i, q: sparse(q) if i != 1 else q):
+        seqs = [VerifySeqInput(30 + i, [5 + i, 6, 7], o.tokens, make(i, o.probs),
+                               SamplingParams(temperature=0.9, top_k=20, seed=40 + i), first=True)
+                for i, o in enumerate(outs)]
+        seqs.append(VerifySeqInput(33, [4, 4], greedy.tokens, None, SamplingParams(), first=True))
+        assert sum(isinstance(s.draft_probs, SparseWeights) for s in seqs) in (0, 2)
+        results.append([(o.error, o.accepted, o.next_token) for o in target.verify(seqs).outputs])
+        target.release([30, 31, 32, 33])
+    assert results[0] == results[1] and all(e is None for e, _, _ in results[0])
+    draft.release([20, 21, 22, 23])
+
+
 def test_bad_sequences_fail_alone(engines):
     draft, target = engines
     v = target.vocab_size

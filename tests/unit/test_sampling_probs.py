@@ -11,6 +11,7 @@ from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rng import (ACCEPT, DRAFT, RESAMPLE, seed_to_int64, uniform, uniform_host,
                                   uniform_reference)
+from specdec.sampling.transport import SparseWeights, scatter_rows
 from specdec.sampling.transport import (ProbsDecodeError, decode_probs, encode_probs, normalize,
                                         round_probs, sample_from)
 
@@ -128,8 +129,33 @@ def test_decode_rejects_bad_input_naming_the_field():
          "draft_probs.indices"),
     ]
     for kwargs, field in cases:
-        with pytest.raises(ProbsDecodeError, match=f"^{field}: "):
-            decode_probs(rows=1, vocab_size=4, **kwargs)
+        for keep_sparse in (False, True):   # the target's sparse path checks exactly the same
+            with pytest.raises(ProbsDecodeError, match=f"^{field}: "):
+                decode_probs(rows=1, vocab_size=4, keep_sparse=keep_sparse, **kwargs)
+
+
+def test_sparse_rows_scatter_to_the_dense_decode():
+    """keep_sparse keeps a sparse block sparse (dense encodings still decode densely); scatter_rows
+    writes blocks at row offsets of a wider tensor, bit for bit the dense decode, zeros elsewhere."""
+    gen = torch.Generator().manual_seed(8)
+    blocks = []
+    for rows, vocab in [(3, 50), (2, 40), (1, 50)]:     # the middle one: a narrower draft vocabulary
+        logits = torch.randn(rows, vocab, generator=gen) * 4
+        t = SamplingTensors.from_params([SamplingParams(temperature=0.8, top_k=5, seed=4)] * rows)
+        _, q = draft_sample(logits, t, torch.arange(rows))
+        blocks.append(encode_probs(q, sparse=True))
+    dense = [decode_probs(e.values, e.rows, e.vocab_size, e.encoding, e.indices, e.row_lengths, dtype=None)
+             for e in blocks]
+    kept = [decode_probs(e.values, e.rows, e.vocab_size, e.encoding, e.indices, e.row_lengths, dtype=None,
+                         keep_sparse=True) for e in blocks]
+    assert all(isinstance(k, SparseWeights) and k.shape == d.shape and torch.equal(k.dense(), d)
+               for k, d in zip(kept, dense))
+    out = torch.zeros(6, 50)
+    scatter_rows(out, [(0, kept[0]), (3, kept[1]), (5, kept[2])])
+    want = torch.cat([dense[0].float(), torch.nn.functional.pad(dense[1].float(), (0, 10)), dense[2].float()])
+    assert torch.equal(out, want)
+    d = encode_probs(round_probs(torch.softmax(torch.randn(2, 40), -1)))
+    assert isinstance(decode_probs(d.values, 2, 40, d.encoding, keep_sparse=True), torch.Tensor)
 
 
 def test_sample_from_never_draws_zero_probability():
