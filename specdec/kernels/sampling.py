@@ -21,6 +21,8 @@ Semantics (Hugging Face's order: temperature, top-k, top-p, min-p), with every t
   kept; ties at the boundary all kept, where the sort-based torch path keeps an arbitrary subset).
 - min-p keeps e = exp(x - max) >= min_p (p >= min_p * max p), then one softmax over the kept set.
 - Greedy rows: one-hot at the argmax of the logits (first index on ties), token = argmax.
+- Non-finite logits: NaN reads as -inf, +inf (or logit / T overflowing) as the largest float32; a
+  row with no finite logit takes id 0 one-hot. (torch.argmax would pick a NaN's index.)
 Both thresholds are found by a search on the keys (`_search`): each pass over the row counts G(t),
 the weight above 7 pivots, and snaps the bracket to the keys present in it; no sort.
 
@@ -66,9 +68,13 @@ def _order_key(x):
 
 @triton.jit
 def _load_x(row, offs, V, inv_t):
+    """x = logit / T with non-finite values made harmless: NaN reads as -inf (never kept),
+    +inf (or an overflow of logit / T) as the largest float32, so the max, exp(x - max) and every
+    sum stay finite; -0.0 reads as +0.0 (one key per value)."""
     ok = offs < V
     x = tl.load(row + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t + 0.0
-    return x, ok
+    x = tl.where(x == x, x, float("-inf"))
+    return tl.minimum(x, 3.4028234663852886e38), ok
 
 
 @triton.jit
@@ -103,7 +109,9 @@ def _search(row, V, inv_t, m, c, lo, hi, MASS: tl.constexpr, CHUNK: tl.constexpr
     per pivot: a [CHUNK, pivots] tile cost a layout shuffle per chunk) and the lanes are reduced
     once per pass; each pivot's sum runs in the same order whatever its value, so G is a function
     of t, monotone, and the loop ends."""
-    while hi - lo > 1:
+    passes = 0
+    while (hi - lo > 1) & (passes < 64):   # <= 32 with finite sums (the midpoint); 64 is a backstop
+        passes += 1
         vlo = _key_value(lo + 1)
         vhi = _key_value(hi)
         p1 = _pivot(lo, hi, vlo, vhi, 1)
@@ -192,6 +200,10 @@ def _sample_kernel(Logits, stride_l, Temp, TopK, TopP, MinP, Greedy, U,
     m = tl.max(mx, 0)
     arg = tl.minimum(tl.min(tl.where(mx == m, ix, V), 0), V - 1)
     kfirst = tl.min(kmn, 0)
+    # A row with no finite logit (all -inf or NaN) has no distribution: it takes id 0, one-hot.
+    no_mass = m == float("-inf")
+    arg = tl.where(no_mass, 0, arg)
+    greedy = greedy | no_mass
 
     if greedy:
         for start in range(0, V, CHUNK):

@@ -11,6 +11,7 @@ import torch
 
 from specdec.kernels import sampling
 from specdec.kernels.sampling import fused_probs, fused_sample
+from tests.helpers.fused_sampling import params
 
 CHUNK = 1024          # smaller than the GPU's chunk: the interpreter's time grows with it
 V = 2 * CHUNK + 404   # three chunks, the last one ragged
@@ -19,14 +20,6 @@ V = 2 * CHUNK + 404   # three chunks, the last one ragged
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(sampling, "CHUNK", CHUNK)
-
-
-def params(rows):
-    """rows: list of (temperature, top_k, top_p, min_p, greedy) -> the kernel's parameter tensors."""
-    t, k, p, mp, g = zip(*rows)
-    return (torch.tensor(t, dtype=torch.float32), torch.tensor(k, dtype=torch.int64),
-            torch.tensor(p, dtype=torch.float32), torch.tensor(mp, dtype=torch.float32),
-            torch.tensor(g, dtype=torch.bool))
 
 
 def reference(logits: torch.Tensor, row) -> tuple[np.ndarray, np.ndarray, bool]:
