@@ -142,16 +142,23 @@ class SparseWeights:
 
 def scatter_rows(out: torch.Tensor, parts: list[tuple[int, SparseWeights]]) -> None:
     """Writes each part's weights into out [R, V] (zeros where they go) from row `offset` on,
-    with one staged copy of the indices and one of the values; a part's vocabulary may be narrower
-    than V (its ids keep their numbers)."""
+    with one staged copy of the indices and one of the values. A part's vocabulary may be narrower
+    than V (its ids keep their numbers) or wider: entries at ids >= V are dropped, as the dense path
+    cuts its columns (the target checked before that they carry no mass; -0.0 or 0.0 entries may
+    still be listed there)."""
+    if not parts:
+        return
     v = out.shape[1]
-    idx = np.concatenate([(off + w.flat // w.vocab_size) * v + w.flat % w.vocab_size for off, w in parts])
-    bits = np.concatenate([w.bits for _, w in parts])
-    dtype = parts[0][1].dtype
-    if any(w.dtype != dtype for _, w in parts):
-        raise ValueError("scatter_rows: parts of different dtypes")
-    vals = to_device(torch.from_numpy(bits).view(dtype), out.device)
-    out.view(-1)[to_device(torch.from_numpy(idx), out.device)] = vals.to(out.dtype)
+    idx, vals = [], []
+    for off, w in parts:
+        rows, cols = w.flat // w.vocab_size, w.flat % w.vocab_size
+        keep = cols < v
+        idx.append(((off + rows) * v + cols)[keep])
+        vals.append(torch.from_numpy(w.bits[keep]).view(w.dtype).to(out.dtype))
+    flat = np.concatenate(idx)
+    if flat.size and (flat.min() < 0 or flat.max() >= out.numel()):
+        raise ValueError(f"scatter_rows: rows past the {out.shape[0]} of out")
+    out.view(-1)[to_device(torch.from_numpy(flat), out.device)] = to_device(torch.cat(vals), out.device)
 
 
 def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DENSE_FP16",
