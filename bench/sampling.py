@@ -94,8 +94,7 @@ def sweep(v: int, batches: list[int]) -> list[dict]:
             for chunk in (1024, 2048, 4096, 8192):
                 for warps in (8, 16, 32):
                     cfg = {"CHUNK": chunk, "num_warps": warps}
-                    call = lambda: fused.fused_sample(logits, t.temperature, t.top_k, t.top_p, t.min_p,  # noqa: E731
-                                                      t.greedy, u, q, tok, config=cfg)
+                    call = lambda: fused.fused_sample(logits, *t.filters(), u, q, tok, config=cfg)  # noqa: E731
                     try:
                         call()
                         g = torch.cuda.CUDAGraph()

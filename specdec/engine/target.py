@@ -42,7 +42,7 @@ class Plan:
 def _mass_beyond(q, v: int) -> bool:
     """Whether draft weights (a tensor or SparseWeights) put mass on ids >= v."""
     if isinstance(q, SparseWeights):
-        return bool(((q.flat % q.vocab_size >= v) & (q.bits != 0) & (q.bits != -0x8000)).any())
+        return bool(((q.flat % q.vocab_size >= v) & (q.bits > 0)).any())   # checked: no negative bits but -0.0
     return bool(q[:, v:].any())
 
 

@@ -54,9 +54,9 @@ def set_enabled(enabled: bool) -> None:
     ENABLED = bool(enabled)
 
 
-def applies(t: torch.Tensor) -> bool:
-    """Whether sampling of this device's tensors takes the fused kernel."""
-    return ENABLED and t.is_cuda
+def applies(device: torch.device | str) -> bool:
+    """Whether sampling of tensors on this device takes the fused kernel."""
+    return ENABLED and torch.device(device).type == "cuda"
 
 
 @triton.jit
@@ -75,6 +75,12 @@ def _load_x(row, offs, V, inv_t):
     x = tl.load(row + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t + 0.0
     x = tl.where(x == x, x, float("-inf"))
     return tl.minimum(x, 3.4028234663852886e38), ok
+
+
+@triton.jit
+def _exp(x, m):
+    """e = exp(x - m), the unnormalised weight of every rule and sum here."""
+    return tl.exp2((x - m) * 1.4426950408889634)
 
 
 @triton.jit
@@ -137,7 +143,7 @@ def _search(row, V, inv_t, m, c, lo, hi, MASS: tl.constexpr, CHUNK: tl.constexpr
             x, ok = _load_x(row, offs, V, inv_t)
             key = _order_key(x)
             if MASS:
-                w = tl.where(ok, tl.exp2((x - m) * 1.4426950408889634), 0.0)
+                w = tl.where(ok, _exp(x, m), 0.0)
             else:
                 w = tl.where(ok, 1.0, 0.0)
             g1 += tl.where(key > p1, w, 0.0)
@@ -170,6 +176,13 @@ def _units(w, MODE: tl.constexpr):
         return (w.to(tl.float32) * 16777216.0).to(tl.int64)
     else:
         return (w.to(tl.float32) * 140737488355328.0).to(tl.int64)
+
+
+@triton.jit
+def _stored_units(out, start, V, MODE: tl.constexpr, CHUNK: tl.constexpr):
+    """The chunk at `start` of the weights just stored, as exact integers (0 past V)."""
+    offs = start + tl.arange(0, CHUNK)
+    return _units(tl.load(out + offs, mask=offs < V, other=0.0), MODE)
 
 
 @triton.jit
@@ -224,7 +237,7 @@ def _sample_kernel(Logits, stride_l, Temp, TopK, TopP, MinP, Greedy, U,
             for start in range(0, V, CHUNK):
                 offs = start + tl.arange(0, CHUNK)
                 x, ok = _load_x(row, offs, V, inv_t)
-                zk += tl.where(ok & (_order_key(x) >= tau), tl.exp2((x - m) * 1.4426950408889634), 0.0)
+                zk += tl.where(ok & (_order_key(x) >= tau), _exp(x, m), 0.0)
             tau = tl.maximum(tau, _search(row, V, inv_t, m, top_p * tl.sum(zk, 0), lo0, kmax_key, True, CHUNK))
         min_p = tl.load(MinP + r).to(tl.float32)
 
@@ -232,23 +245,23 @@ def _sample_kernel(Logits, stride_l, Temp, TopK, TopP, MinP, Greedy, U,
         for start in range(0, V, CHUNK):
             offs = start + tl.arange(0, CHUNK)
             x, ok = _load_x(row, offs, V, inv_t)
-            e = tl.exp2((x - m) * 1.4426950408889634)
+            e = _exp(x, m)
             za += tl.where(ok & (_order_key(x) >= tau) & (e >= min_p), e, 0.0)
         z = tl.sum(za, 0)
         tot = tl.zeros([CHUNK], dtype=tl.int64)
         for start in range(0, V, CHUNK):
             offs = start + tl.arange(0, CHUNK)
             x, ok = _load_x(row, offs, V, inv_t)
-            e = tl.exp2((x - m) * 1.4426950408889634)
+            e = _exp(x, m)
             p = tl.where(ok & (_order_key(x) >= tau) & (e >= min_p), e / z, 0.0)
             if MODE == 0:
                 w = p.to(tl.float16)
-                tot += (w.to(tl.float32) * 16777216.0).to(tl.int64)
+                tot += _units(w, MODE)
                 tl.store(out + offs, w, mask=ok)
             elif MODE == 1:
                 w = p.to(tl.bfloat16).to(tl.float32)
                 w = tl.where(w < 9.094947017729282e-13, 0.0, w)      # 2**-40: the flush of round_probs
-                tot += (w * 140737488355328.0).to(tl.int64)          # 2**47
+                tot += _units(w, MODE)
                 tl.store(out + offs, w.to(tl.bfloat16), mask=ok)
             else:
                 tl.store(out + offs, p, mask=ok)
@@ -265,16 +278,14 @@ def _sample_kernel(Logits, stride_l, Temp, TopK, TopP, MinP, Greedy, U,
             start = 0
             crossed = 0
             while (start < V) & (crossed == 0):
-                n = _units(tl.load(out + start + tl.arange(0, CHUNK), mask=start + tl.arange(0, CHUNK) < V,
-                                   other=0.0), MODE)
+                n = _stored_units(out, start, V, MODE, CHUNK)
                 chunk = tl.sum(n, 0)
                 if run + chunk > target:
                     crossed = 1
                 else:
                     run += chunk
                     start += CHUNK
-            n = _units(tl.load(out + start + tl.arange(0, CHUNK), mask=start + tl.arange(0, CHUNK) < V,
-                               other=0.0), MODE)
+            n = _stored_units(out, start, V, MODE, CHUNK)
             tok = tl.minimum(start + tl.sum((run + tl.cumsum(n, 0) <= target).to(tl.int32), 0), V - 1)
             tl.store(Tok + s * stride_ts + r, tok.to(tl.int64))
 

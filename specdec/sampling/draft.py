@@ -43,12 +43,11 @@ def draft_sample(logits: torch.Tensor, tensors: SamplingTensors, positions: torc
             # which is most of the time when q is close to p (independent draws agree with
             # probability sum p*q).
             u = torch.where(to_device(guess, u.device), uniform(tensors.seeds, positions, RESAMPLE), u)
-    if fused.applies(logits):   # one kernel: filters, softmax, rounding and the draw
+    if fused.applies(logits.device):   # one kernel: filters, softmax, rounding and the draw
         rows, v = logits.shape
         q = torch.empty(rows, v, dtype=transport_dtype, device=logits.device)
         tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-        t = tensors
-        fused.fused_sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.greedy, u, q, tokens)
+        fused.fused_sample(logits, *tensors.filters(), u, q, tokens)
         return tokens, q.float()
     q = round_probs(logits_to_probs(logits, tensors), transport_dtype)   # [B, V]
     return sample_from(q, u), q

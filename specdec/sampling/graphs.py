@@ -62,7 +62,7 @@ class _Buckets(GraphCaptures):
         pool = self._new_pool()
         self.graphs = {}
         # The fused kernel (CUDA) picks each row's filters itself: one graph per bucket serves all.
-        self.filter_sets = (True,) if fused.applies(torch.empty(0, device=self.device)) else (True, False)
+        self.filter_sets = (True,) if fused.applies(self.device) else (True, False)
         for b in reversed(self.batch_sizes):
             statics = self._statics(b)
             for sort in self.filter_sets:
@@ -116,9 +116,8 @@ class GraphedSampler(_Buckets):
         tokens, q = self.tokens[:, :b], self.q[:, :b]
 
         def body():
-            if fused.applies(logits):   # draft_sample's CUDA kernel, writing row `at` itself
-                t = tensors
-                fused.fused_sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.greedy, u, q, tokens, step=at)
+            if fused.applies(logits.device):   # draft_sample's CUDA kernel, writing row `at` itself
+                fused.fused_sample(logits, *tensors.filters(), u, q, tokens, step=at)
                 return
             tok, weights = draft_sample(logits, tensors, None, self.dtype, u=u)
             tokens.index_copy_(0, at, tok[None])

@@ -56,6 +56,10 @@ class SamplingTensors:
     def __len__(self) -> int:
         return self.greedy.shape[0]
 
+    def filters(self) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, min_p, greedy): the fused kernel's per-row arguments."""
+        return self.temperature, self.top_k, self.top_p, self.min_p, self.greedy
+
     def index(self, rows: torch.Tensor) -> "SamplingTensors":
         """The rows at `rows` (a device int64 index, repeats allowed); host flags are kept (a
         superset is harmless: a filter that is off on a row leaves it unchanged)."""
@@ -115,8 +119,8 @@ def logits_to_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [R, V] -> float32 probabilities [R, V]; greedy rows one-hot at the argmax.
     On CUDA the fused kernel (kernels/sampling.py: one program per row, the same rules with ties
     at a top-p boundary all kept); below, torch's ops (the CPU path, and CUDA with it switched off)."""
-    if fused.applies(logits) and not t.all_greedy:
-        return fused.fused_probs(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.greedy)
+    if fused.applies(logits.device) and not t.all_greedy:
+        return fused.fused_probs(logits, *t.filters())
     logits = logits.float()
     one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     if t.all_greedy:

@@ -216,14 +216,13 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         _check_weights(vals, wire_dtype, fail)
         has_mass = np.zeros(rows, dtype=bool)
         has_mass[flat[vals > 0] // vocab_size] = True
+    if rows and not has_mass.all():  # non-negative weights: mass iff some bits are positive
+        fail("values", "every row needs some probability mass")
+    if encoding not in TRANSPORT_DTYPES:
         if keep_sparse:
-            if rows and not has_mass.all():
-                fail("values", "every row needs some probability mass")
             return SparseWeights(rows, vocab_size, wire_dtype, flat, vals)
         bits = np.zeros(rows * vocab_size, dtype=np.int16)
         bits[flat] = vals
-    if rows and not has_mass.all():  # non-negative weights: mass iff some bits are positive
-        fail("values", "every row needs some probability mass")
     w = torch.from_numpy(bits).view(wire_dtype).reshape(rows, vocab_size)
     w = to_device(w, device)
     return w if dtype is None else w.to(dtype)
