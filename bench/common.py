@@ -9,6 +9,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +130,20 @@ def flush_cost_us(nbytes: int = 64 * 2**20) -> dict:
     out = {f: 1e3 * cold_ms(x.sum, flush=f) for f in ("read", "write")}
     out["read_bytes"] = nbytes
     return out
+
+
+def wall_ms(fn, n: int = 200) -> float:
+    """Median host ms of fn() followed by a synchronize (after 10 warm-up calls)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(out)
 
 
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from common import environment, table, write_result
+from common import environment, table, wall_ms, write_result
 
 import torch  # noqa: E402
 
@@ -38,20 +37,6 @@ def device_ms(fn, n: int = 200) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in ev)
-
-
-def wall_ms(fn, n: int = 200) -> float:
-    """Median host ms of fn() followed by a synchronize."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(out)
 
 
 def kernel_table(logits, params, top: int = 12) -> list[dict]:

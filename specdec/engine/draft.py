@@ -15,6 +15,7 @@ from specdec.runner import SeqInput
 from specdec.sampling.draft import draft_sample, greedy_tokens
 from specdec.sampling.graphs import GraphedSampler
 from specdec.sampling.probs import SamplingTensors, resolve_seeds
+from specdec.sampling.transport import DRAFT_DEVICE_SPARSE, draft_rows_to_host, nonzero_counts
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
@@ -189,19 +190,32 @@ class DraftEngine(ModelEngine):
                 fed = tokens.index_select(0, kept)
             rows = [rows[j] for j in keep]
             items = [SeqInput(plans[active[r]].seq.seq_id, [0]) for r in rows]
-        drafted: list[list[int]] = [[] for _ in plans]
+        return self._to_host(plans, active, steps)
+
+    @staticmethod
+    def _to_host(plans: list[Plan], active: list[int], steps: list) -> tuple[list[list[int]], list]:
+        """The step's drafted tokens and sampled rows, from the device: the tokens and the rows'
+        nonzero counts in one copy, then the rows (transport.draft_rows_to_host: sparse rows as
+        their nonzeros, dense rows in one copy), never a sync per sequence."""
+        owner: list[int] = []                               # the plan of each drafted token, in order
         qs: list[list[torch.Tensor]] = [[] for _ in plans]
-        host = iter(torch.cat([t for _, t, _ in steps]).tolist() if steps else ())
         for rows_at, _, q in steps:
             for j, r in enumerate(rows_at):
                 i = active[r]
-                drafted[i].append(next(host))
+                owner.append(i)
                 if not plans[i].seq.sampling.greedy:
                     qs[i].append(q[j])
-        # All sampled rows in one device-to-host copy, split on the host (not a sync per sequence).
         flat = [row for rows_i in qs for row in rows_i]
-        parts = torch.stack(flat).cpu().split([len(q) for q in qs]) if flat else [None] * len(qs)
-        return drafted, [part if q else None for q, part in zip(qs, parts)]
+        q_all = torch.stack(flat) if flat else None
+        counts = nonzero_counts(q_all) if q_all is not None and DRAFT_DEVICE_SPARSE else None
+        pieces = [t for _, t, _ in steps] + ([counts] if counts is not None else [])
+        host = torch.cat(pieces).tolist() if pieces else []
+        drafted: list[list[int]] = [[] for _ in plans]
+        for i, tok in zip(owner, host):
+            drafted[i].append(tok)
+        if q_all is None:
+            return drafted, [None] * len(plans)
+        return drafted, draft_rows_to_host(q_all, [len(q) for q in qs], None if counts is None else host[len(owner):])
 
     def _sample(self, logits: torch.Tensor, sampling: list, seeds: list[int], positions: list[int],
                 guess: list[bool] | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.transport import SparseWeights
 
 
 class Code(enum.IntEnum):
@@ -63,7 +64,9 @@ class DraftSeqInput:
 class DraftOutput:
     seq_id: int
     tokens: list[int] = field(default_factory=list)
-    probs: torch.Tensor | None = None  # [num_draft, V] on CPU, already rounded to the transport dtype
+    # [num_draft, V] on the host, already rounded to the transport dtype: a tensor, or SparseWeights
+    # (its nonzeros; .dense() gives the tensor) where the sparse encoding is the smaller one
+    probs: torch.Tensor | SparseWeights | None = None
     error: SeqError | None = None
 
 

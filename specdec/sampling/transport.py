@@ -15,6 +15,7 @@ rounding); they sum to 1 up to the rounding (|1 - sum| < 2**-11) and every consu
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,10 @@ TRANSPORT_DTYPES = {"DENSE_FP16": torch.float16, "DENSE_BF16": torch.bfloat16}
 # instead of k x V dense host arrays, a host concatenation and a k x V host-to-device copy per step.
 # SPECDEC_SPARSE_DRAFT_PROBS=0 decodes them densely on the host (the A/B switch of e2e.py runs).
 KEEP_SPARSE = os.environ.get("SPECDEC_SPARSE_DRAFT_PROBS", "1") != "0"
+# The draft finds its rows' nonzeros on the device and copies only those to the host where the
+# sparse encoding is smaller (draft_rows_to_host); SPECDEC_DRAFT_DEVICE_SPARSE=0 copies every row
+# densely and lets encode_probs scan it on the host (the A/B switch).
+DRAFT_DEVICE_SPARSE = os.environ.get("SPECDEC_DRAFT_DEVICE_SPARSE", "1") != "0"
 ENCODINGS = ("DENSE_FP16", "DENSE_BF16", "SPARSE_FP16")  # ProbsEncoding without its prefix
 _BF16_FLUSH = 2.0 ** -40
 
@@ -86,21 +91,35 @@ def _bits(weights: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     return weights.detach().to(dtype).cpu().contiguous().view(torch.int16).numpy()
 
 
-def encode_probs(weights: torch.Tensor, dtype: torch.dtype = torch.float16,
+def _sparse_is_smaller(nonzeros: int, rows: int, vocab: int) -> bool:
+    """6 bytes a nonzero (int32 column, fp16 value) and 4 a row, against 2 bytes a weight."""
+    return 6 * nonzeros + 4 * rows < 2 * rows * vocab
+
+
+def encode_probs(weights: torch.Tensor | SparseWeights, dtype: torch.dtype = torch.float16,
                  sparse: bool | None = None) -> EncodedProbs:
     """weights [k, V], already rounded by `round_probs(.., dtype)` (draft_sample's q) -> packed bytes.
 
     sparse=None picks the smaller form; sparse rows need fp16 weights (the only sparse encoding).
     One device-to-host copy; the packing is numpy on the bits (a weight is nonzero when its bits
     other than the sign are; the mask is a bool array: numpy's nonzero of int16 is ~15x slower).
+    SparseWeights (draft_rows_to_host's sparse rows) are packed as they are: the same bytes as
+    their dense form would give.
     """
+    if isinstance(weights, SparseWeights):
+        if weights.dtype != torch.float16 or dtype != torch.float16 or sparse is False:
+            raise ValueError(f"SparseWeights are packed sparse and float16, not {dtype} (sparse={sparse})")
+        lengths = np.bincount(weights.flat // weights.vocab_size, minlength=weights.rows)
+        return EncodedProbs("SPARSE_FP16", weights.rows, weights.vocab_size, weights.bits.astype("<i2").tobytes(),
+                            (weights.flat % weights.vocab_size).astype("<i4").tobytes(),
+                            lengths.astype("<i4").tobytes())
     rows, vocab = weights.shape
     bits = _bits(weights, dtype)
     nonzero = None
     if sparse is None:
         if dtype == torch.float16:
             nonzero = np.flatnonzero((bits & 0x7FFF) != 0)
-            sparse = 6 * nonzero.size + 4 * rows < 2 * rows * vocab
+            sparse = _sparse_is_smaller(nonzero.size, rows, vocab)
         else:
             sparse = False
     if not sparse:
@@ -138,6 +157,57 @@ class SparseWeights:
         bits = np.zeros(self.rows * self.vocab_size, dtype=np.int16)
         bits[self.flat] = self.bits
         return torch.from_numpy(bits).view(self.dtype).reshape(self.rows, self.vocab_size)
+
+
+def dense_weights(w: torch.Tensor | SparseWeights) -> torch.Tensor:
+    """A draft's rows as a dense tensor, whichever form they came in."""
+    return w.dense() if isinstance(w, SparseWeights) else w
+
+
+def nonzero_counts(q: torch.Tensor) -> torch.Tensor | None:
+    """Per row of q [R, V] (fp16 draft weights, on its device) how many weights are nonzero, as
+    encode_probs counts them (bits other than the sign); None for other dtypes (no sparse form)."""
+    if q.dtype != torch.float16:
+        return None
+    return ((q.view(torch.int16) & 0x7FFF) != 0).sum(1)
+
+
+def draft_rows_to_host(q: torch.Tensor, lengths: Sequence[int], counts: Sequence[int] | None
+                       ) -> list[torch.Tensor | SparseWeights | None]:
+    """A step's drafted weights q [R, V] (transport dtype, on the draft's device; R = sum(lengths),
+    sequence after sequence) -> per sequence its rows on the host (None where it has none):
+    SparseWeights where the sparse encoding is the smaller one, by encode_probs' rule on the
+    counts (nonzero_counts, already on the host), else a dense host tensor. The sparse rows'
+    nonzeros are found on the device and only they travel: one copy of their flat indices and
+    bits, where a dense copy moves R x V weights and encode_probs scans them with numpy."""
+    vocab = q.shape[1]
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
+    sparse = [counts is not None and n > 0 and _sparse_is_smaller(sum(counts[a:b]), n, vocab)
+              for n, a, b in zip(lengths, starts, starts[1:])]
+    out: list = [None] * len(lengths)
+    for want_sparse in (False, True):
+        seqs = [i for i, n in enumerate(lengths) if n and sparse[i] == want_sparse]
+        if not seqs:
+            continue
+        rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+        sub = q if len(rows) == q.shape[0] else q.index_select(0, to_device(torch.tensor(rows), q.device))
+        if not want_sparse:
+            for i, part in zip(seqs, sub.cpu().split([lengths[i] for i in seqs])):
+                out[i] = part
+            continue
+        total = sum(counts[r] for r in rows)
+        bits = sub.view(torch.int16).reshape(-1)
+        # nonzero_static: the size is known from the counts, so no second sync to learn it.
+        flat = torch.nonzero_static((bits & 0x7FFF) != 0, size=total).squeeze(1)   # row-major: ascending
+        host = torch.cat([flat, bits[flat].to(torch.int64)]).cpu().numpy()
+        flat_h, bits_h = host[:total], host[total:].astype(np.int16)
+        at, row0 = 0, 0
+        for i in seqs:
+            n = lengths[i]
+            nnz = sum(counts[starts[i]:starts[i + 1]])
+            out[i] = SparseWeights(n, vocab, torch.float16, flat_h[at:at + nnz] - row0 * vocab, bits_h[at:at + nnz])
+            at, row0 = at + nnz, row0 + n
+    return out
 
 
 def scatter_rows(out: torch.Tensor, parts: list[tuple[int, SparseWeights]]) -> None:

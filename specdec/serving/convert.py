@@ -48,7 +48,7 @@ def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Te
         raise FieldError(str(e)) from None
 
 
-def probs_to_pb(weights: torch.Tensor, dtype: torch.dtype) -> pb.Probs:
+def probs_to_pb(weights: torch.Tensor | SparseWeights, dtype: torch.dtype) -> pb.Probs:
     enc = encode_probs(weights, dtype)
     return pb.Probs(encoding=pb.ProbsEncoding.Value(_ENCODING_PREFIX + enc.encoding), rows=enc.rows,
                     vocab_size=enc.vocab_size, values=enc.values, indices=enc.indices,

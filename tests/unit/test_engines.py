@@ -10,6 +10,7 @@ import torch
 from specdec.config import EngineConfig
 from specdec.engine import (Code, DraftEngine, DraftSeqInput, TargetEngine, VerifySeqInput)
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.transport import dense_weights
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
 from tests.helpers.tiny_models import make_pair
 
@@ -201,11 +202,11 @@ def test_sampled_draft_returns_the_distributions_it_sampled(engines):
                          DraftSeqInput(8, 0, [5], 2, first=True)])
     sampled, greedy = res.outputs
     assert sampled.probs.shape == (3, draft.vocab_size) and greedy.probs is None
-    for tok, row in zip(sampled.tokens, sampled.probs):
+    for tok, row in zip(sampled.tokens, dense_weights(sampled.probs)):
         assert row[tok] > 0 and (row > 0).sum() <= 50
     # Seeded: the same request drafts the same tokens whatever shares its batch.
     again = draft.propose([DraftSeqInput(9, 0, [5, 6, 7], 3, params, first=True)]).outputs[0]
-    assert again.tokens == sampled.tokens and torch.equal(again.probs, sampled.probs)
+    assert again.tokens == sampled.tokens and torch.equal(dense_weights(again.probs), dense_weights(sampled.probs))
     ver = target.verify([VerifySeqInput(7, [5, 6, 7], sampled.tokens, sampled.probs, params,
                                         first=True)]).outputs[0]
     assert ver.error is None and 0 <= ver.accepted <= 3 and 0 <= ver.next_token < target.vocab_size
@@ -229,7 +230,8 @@ def test_sparse_draft_probs_verify_as_dense_ones(engines):
                             dtype=None, keep_sparse=True)
 
     results = []
-    for make in (lambda i, q: q, lambda i, q: sparse(q) if i != 1 else q):
+    assert all(isinstance(o.probs, SparseWeights) for o in outs)   # top-k 20: the draft's rows come sparse
+    for make in (lambda i, q: dense_weights(q), lambda i, q: sparse(q) if i != 1 else dense_weights(q)):
         seqs = [VerifySeqInput(30 + i, [5 + i, 6, 7], o.tokens, make(i, o.probs),
                                SamplingParams(temperature=0.9, top_k=20, seed=40 + i), first=True)
                 for i, o in enumerate(outs)]
@@ -401,7 +403,7 @@ def test_pipelined_sampled_speculation_keeps_the_target_distribution(tmp_path):
                 if v.next_token == x.tokens[0]:  # the guess was right: verify e without a propose
                     nxt.append((s, sp, d.tokens[0], x))
         if nxt:
-            out = target.verify([VerifySeqInput(s, [x.tokens[0]], x.tokens[1:], x.probs[1:], sp)
+            out = target.verify([VerifySeqInput(s, [x.tokens[0]], x.tokens[1:], dense_weights(x.probs)[1:], sp)
                                  for s, sp, _, x in nxt]).outputs
             for (s, sp, d1, x), v in zip(nxt, out):
                 assert v.error is None
