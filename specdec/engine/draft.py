@@ -15,6 +15,7 @@ from specdec.runner import SeqInput
 from specdec.sampling.draft import draft_sample, greedy_tokens
 from specdec.sampling.graphs import GraphedSampler
 from specdec.sampling.probs import SamplingTensors, resolve_seeds
+from specdec.sampling import transport
 from specdec.sampling.transport import DRAFT_DEVICE_SPARSE, draft_rows_to_host, nonzero_counts
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine, log
@@ -196,7 +197,8 @@ class DraftEngine(ModelEngine):
     def _to_host(plans: list[Plan], active: list[int], steps: list) -> tuple[list[list[int]], list]:
         """The step's drafted tokens and sampled rows, from the device: the tokens and the rows'
         nonzero counts in one copy, then the rows (transport.draft_rows_to_host: sparse rows as
-        their nonzeros, dense rows in one copy), never a sync per sequence."""
+        their nonzeros, dense rows in one copy), never a sync per sequence. Below
+        DEVICE_SPARSE_MIN_ROWS sampled rows, every row is copied densely (no counts)."""
         owner: list[int] = []                               # the plan of each drafted token, in order
         qs: list[list[torch.Tensor]] = [[] for _ in plans]
         for rows_at, _, q in steps:
@@ -207,7 +209,8 @@ class DraftEngine(ModelEngine):
                     qs[i].append(q[j])
         flat = [row for rows_i in qs for row in rows_i]
         q_all = torch.stack(flat) if flat else None
-        counts = nonzero_counts(q_all) if q_all is not None and DRAFT_DEVICE_SPARSE else None
+        device_sparse = q_all is not None and DRAFT_DEVICE_SPARSE and len(q_all) >= transport.DEVICE_SPARSE_MIN_ROWS
+        counts = nonzero_counts(q_all) if device_sparse else None
         pieces = [t for _, t, _ in steps] + ([counts] if counts is not None else [])
         host = torch.cat(pieces).tolist() if pieces else []
         drafted: list[list[int]] = [[] for _ in plans]

@@ -32,6 +32,10 @@ KEEP_SPARSE = os.environ.get("SPECDEC_SPARSE_DRAFT_PROBS", "1") != "0"
 # sparse encoding is smaller (draft_rows_to_host); SPECDEC_DRAFT_DEVICE_SPARSE=0 copies every row
 # densely and lets encode_probs scan it on the host (the A/B switch).
 DRAFT_DEVICE_SPARSE = os.environ.get("SPECDEC_DRAFT_DEVICE_SPARSE", "1") != "0"
+# ... from this many sampled rows a step on: below it the second copy and the extra kernels cost
+# more than the dense copy saves (bench/draft_rows.py, one H200 host: 4 rows of 32k ids 267 vs
+# 176 us, 32 rows 488 vs 1027 us, 64 rows 599 vs 2028 us).
+DEVICE_SPARSE_MIN_ROWS = 16
 ENCODINGS = ("DENSE_FP16", "DENSE_BF16", "SPARSE_FP16")  # ProbsEncoding without its prefix
 _BF16_FLUSH = 2.0 ** -40
 

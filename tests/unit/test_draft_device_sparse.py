@@ -9,6 +9,7 @@ import torch
 import specdec.engine.draft as draft_module
 from specdec.config import EngineConfig
 from specdec.engine import DraftEngine, DraftSeqInput
+from specdec.sampling import transport
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transport import (SparseWeights, dense_weights, draft_rows_to_host, encode_probs,
                                         nonzero_counts, round_probs)
@@ -94,8 +95,9 @@ def test_the_draft_engine_sends_the_same_bytes_with_the_switch_on_and_off(draft_
               SamplingParams(temperature=1.2, seed=3), SamplingParams(), SamplingParams(temperature=0.8, top_k=3, seed=4)]
     drafts = [3, 2, 3, 2, 1]
 
-    def run(on: bool, first_id: int):
+    def run(on: bool, first_id: int, min_rows: int = 0):
         monkeypatch.setattr(draft_module, "DRAFT_DEVICE_SPARSE", on)
+        monkeypatch.setattr(transport, "DEVICE_SPARSE_MIN_ROWS", min_rows)
         seqs = [DraftSeqInput(first_id + i, 0, [5 + i, 6, 7], k, p, first=True)
                 for i, (k, p) in enumerate(zip(drafts, params))]
         outs = engine.propose(seqs).outputs
@@ -113,3 +115,8 @@ def test_the_draft_engine_sends_the_same_bytes_with_the_switch_on_and_off(draft_
         assert encode_probs(a.probs, torch.float16) == encode_probs(b.probs, torch.float16)
         kinds.append(isinstance(a.probs, SparseWeights))
     assert kinds == [True, True, False, True]   # temperature only: dense rows stay dense
+    # fewer sampled rows than the threshold (9 here): every row densely, the same bytes again
+    few = run(True, 300, min_rows=10)
+    assert not any(isinstance(o.probs, SparseWeights) for o in few)
+    assert [encode_probs(o.probs) for o in few if o.probs is not None] == \
+        [encode_probs(o.probs) for o in off if o.probs is not None]
