@@ -183,8 +183,13 @@ def draft_rows_to_host(q: torch.Tensor, lengths: Sequence[int], counts: Sequence
     SparseWeights where the sparse encoding is the smaller one, by encode_probs' rule on the
     counts (nonzero_counts, already on the host), else a dense host tensor. The sparse rows'
     nonzeros are found on the device and only they travel: one copy of their flat indices and
-    bits, where a dense copy moves R x V weights and encode_probs scans them with numpy."""
+    bits, where a dense copy moves R x V weights and encode_probs scans them with numpy.
+    counts must be nonzero_counts(q)'s: fewer would drop nonzeros, more would leave the -1 padding
+    of nonzero_static (refused below), each case moving entries between sequences."""
     vocab = q.shape[1]
+    if sum(lengths) != q.shape[0] or (counts is not None and (len(counts) != q.shape[0] or q.dtype != torch.float16)):
+        raise ValueError(f"draft_rows_to_host: {q.shape[0]} {q.dtype} rows, lengths summing to {sum(lengths)}, "
+                         f"{'no' if counts is None else len(counts)} counts (fp16 rows only)")
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
     sparse = [counts is not None and n > 0 and _sparse_is_smaller(sum(counts[a:b]), n, vocab)
               for n, a, b in zip(lengths, starts, starts[1:])]
@@ -205,6 +210,8 @@ def draft_rows_to_host(q: torch.Tensor, lengths: Sequence[int], counts: Sequence
         flat = torch.nonzero_static((bits & 0x7FFF) != 0, size=total).squeeze(1)   # row-major: ascending
         host = torch.cat([flat, bits[flat].to(torch.int64)]).cpu().numpy()
         flat_h, bits_h = host[:total], host[total:].astype(np.int16)
+        if total and flat_h.min() < 0:
+            raise ValueError("draft_rows_to_host: counts above the rows' nonzeros")
         at, row0 = 0, 0
         for i in seqs:
             n = lengths[i]

@@ -81,6 +81,20 @@ def test_rows_to_host_when_every_row_is_sparse_or_none_is(device):
     assert nonzero_counts(q.bfloat16()) is None   # no sparse form for bf16
 
 
+def test_rows_to_host_refuses_counts_that_do_not_fit_the_rows():
+    q = torch.zeros(2, 16, dtype=torch.float16)
+    q[0, 3], q[1, 7] = 0.5, 0.25
+    with pytest.raises(ValueError, match="above the rows' nonzeros"):
+        draft_rows_to_host(q, [2], [2, 1])
+    with pytest.raises(ValueError, match="counts"):
+        draft_rows_to_host(q, [2], [1])
+    with pytest.raises(ValueError, match="fp16 rows only"):
+        draft_rows_to_host(q.bfloat16(), [2], [1, 1])
+    with pytest.raises(ValueError, match="lengths summing to 3"):
+        draft_rows_to_host(q, [1, 2], None)
+    assert encode_probs(draft_rows_to_host(q, [2], [1, 1])[0]).encoding == "SPARSE_FP16"
+
+
 @pytest.fixture(scope="module")
 def draft_path(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("pair"))[1]
