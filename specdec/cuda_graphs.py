@@ -27,7 +27,10 @@ takes the argmax of every row and moves the static inputs on to the next positio
 argmax, positions and context lengths + 1, slots looked up in the staged block tables). A draft
 step of k greedy tokens then costs one staged copy and k - 1 replays after its first forward,
 with no host work between them; the KV slots of all k - 1 positions are reserved before the copy
-(ModelRunner.greedy_chain).
+(ModelRunner.greedy_chain). Sampled chains (capture_sampled_chains, opt-in) are the same graphs
+with the draft's sampler in place of the argmax: each step draws its tokens with the sampler's
+staged parameters and that position's staged uniforms, writing the sampler's output rows
+(sampling/graphs.GraphedSampler.chain_pick).
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ class Shape:
 
 @dataclass
 class _Chain:
-    graph: torch.cuda.CUDAGraph  # a greedy step on bucket (b, 1)'s static inputs, then the next's inputs
-    tokens: torch.Tensor         # [CHAIN_MAX, b] int64: row i is the argmax of the chain's i-th step
+    graph: torch.cuda.CUDAGraph  # a step on bucket (b, 1)'s static inputs, then the next's inputs
+    tokens: torch.Tensor         # [rows, b] int64: row `at` is the token the replay picked
     at: torch.Tensor             # [1] int64: the row the next replay writes
 
 
@@ -140,7 +143,9 @@ class GraphedForward(GraphCaptures):
         for q in reversed(self.query_lens + self.prefill_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
+        self._pool = pool
         self.chains: dict[int, _Chain] = {}
+        self.sampled_chains: dict[int, _Chain] = {}
         if chains and 1 in self.query_lens:
             for b in reversed(self.batch_sizes):
                 self.chains[b] = self._capture_chain(b, pool)
@@ -232,15 +237,20 @@ class GraphedForward(GraphCaptures):
         graph, _ = self._record(lambda: self._model(batch, self._kv, self._backend, out=out), pool)
         return _Graph(graph, batch, packed, out)
 
-    def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor) -> None:
-        """What a chain graph runs: the forward of bucket (b, 1), the argmax of each row into
-        tokens[at], and the static inputs advanced to the next position. Padding rows keep slot -1
-        (no KV writes); the block index is clamped so a position past the context stays in the
-        table (its slot is never written: no step follows the last)."""
+    def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor, pick=None) -> None:
+        """What a chain graph runs: the forward of bucket (b, 1), each row's token into tokens[at]
+        (the argmax, or pick(logits, at), which writes them and returns them), and the static inputs
+        advanced to the next position. Padding rows keep slot -1 (no KV writes); the block index is
+        clamped so a position past the context stays in the table (its slot is never written: no
+        step follows the last)."""
         s = g.batch
-        ids = self._model(s, self._kv, self._backend).argmax(-1)
+        logits = self._model(s, self._kv, self._backend)
+        if pick is None:
+            ids = logits.argmax(-1)
+            tokens.index_copy_(0, at, ids[None])
+        else:
+            ids = pick(logits, at)
         s.input_ids.copy_(ids)
-        tokens.index_copy_(0, at, ids[None])
         at.add_(1)
         s.positions.add_(1)
         s.context_lens.add_(1)
@@ -254,39 +264,56 @@ class GraphedForward(GraphCaptures):
                 torch.zeros(1, dtype=torch.int64, device=self.device))
 
     @torch.inference_mode()
-    def _capture_chain(self, b: int, pool) -> _Chain:
+    def _capture_chain(self, b: int, pool, pick=None, tokens: torch.Tensor | None = None) -> _Chain:
         g = self.graphs[(b, 1)]
-        tokens, at = self._chain_buffers(b)
+        own, at = self._chain_buffers(b)
+        tokens = own if tokens is None else tokens
         # The warm-up runs advance the static inputs, which hold padding (slot -1): nothing is
         # written, and every chain stages its own inputs and resets `at` first.
-        graph, _ = self._record(lambda: self._chain_step(g, tokens, at), pool)
+        graph, _ = self._record(lambda: self._chain_step(g, tokens, at, pick), pool)
         return _Chain(graph, tokens, at)
 
-    def can_chain(self, n: int, steps: int, width: int) -> bool:
+    def capture_sampled_chains(self, pick_for) -> None:
+        """Sampled chain graphs for every bucket (b, 1) where pick_for(b) gives (pick, tokens):
+        pick(logits [b, V], at) draws row `at` of tokens [rows, b] and returns it (the draft's
+        sampler; its parameters and uniforms are staged before each chain)."""
+        if 1 not in self.query_lens:
+            return
+        for b in reversed(self.batch_sizes):
+            picked = pick_for(b)
+            if picked is not None:
+                self.sampled_chains[b] = self._capture_chain(b, self._pool, *picked)
+
+    def can_chain(self, n: int, steps: int, width: int, sampled: bool = False) -> bool:
         """Whether `steps` chained steps of n sequences (block tables `width` wide after the last)
-        fit a chain graph."""
+        fit a chain graph (a sampled one: its bucket is the smallest that holds n)."""
         key = self._bucket(n, 1, width)
-        return 1 <= steps <= CHAIN_MAX and key is not None and key[1] == 1 and key[0] in self.chains
+        chains = self.sampled_chains if sampled else self.chains
+        return 1 <= steps <= CHAIN_MAX and key is not None and key[1] == 1 and key[0] in chains
 
     @torch.inference_mode()
-    def chain(self, batch: ForwardBatch, first_ids: torch.Tensor | None, steps: int) -> torch.Tensor:
-        """Runs `steps` greedy single-token steps from a batch staged on bucket (b, 1), the first
-        fed first_ids (on the device; None: the staged ids); [steps, n] argmax ids. The static
-        inputs move on, so the batch is spent afterwards."""
+    def chain(self, batch: ForwardBatch, first_ids: torch.Tensor | None, steps: int, sampled: bool = False,
+              start: int = 0) -> torch.Tensor:
+        """Runs `steps` single-token steps from a batch staged on bucket (b, 1), the first fed
+        first_ids (on the device; None: the staged ids), each later one the token picked before it;
+        [steps, n] ids: the argmaxes, or with `sampled` the draws of the sampled chain, written to
+        rows start .. start + steps - 1 of its token rows. The static inputs move on, so the batch
+        is spent afterwards."""
         g = self._staged_graph(batch)
         b, q, _ = batch.graph_key
-        c = self.chains.get(b)
-        if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX:
-            raise ValueError(f"no chain of {steps} steps on graph {b}x{q}")
+        c = (self.sampled_chains if sampled else self.chains).get(b)
+        if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX or not 0 <= start <= c.tokens.shape[0] - steps:
+            raise ValueError(f"no {'sampled ' if sampled else ''}chain of {steps} steps from row {start} "
+                             f"on graph {b}x{q}")
         n = batch.input_ids.numel()
         if first_ids is not None:
             g.batch.input_ids[:n].copy_(first_ids, non_blocking=True)
-        c.at.zero_()
+        c.at.fill_(start)
         for _ in range(steps):
             c.graph.replay()
         self.replays += steps
         g.stamp = next(_STAMPS)
-        return c.tokens[:steps, :n].clone()
+        return c.tokens[start:start + steps, :n].clone()
 
     def _bucket(self, n: int, q_max: int, width: int, num_tokens: int = 0,
                 num_logits: int = 0) -> tuple[int, int] | None:

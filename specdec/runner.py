@@ -145,22 +145,23 @@ class ModelRunner:
             context_lens=ctx_t, block_tables=table_t.view(len(items), width), logits_indices=rows_t,
             query_lens_host=query_lens, context_lens_host=ctx_lens)
 
-    def can_chain(self, seq_ids: Sequence[Hashable], steps: int) -> bool:
-        """Whether greedy_chain(seq_ids, ..., steps) runs on a chain graph."""
-        if self.graphs is None or not self.graphs.chains or not seq_ids:
+    def can_chain(self, seq_ids: Sequence[Hashable], steps: int, sampled: bool = False) -> bool:
+        """Whether greedy_chain(seq_ids, ..., steps) (or a sampled chain) runs on a chain graph."""
+        if self.graphs is None or not (self.graphs.sampled_chains if sampled else self.graphs.chains) or not seq_ids:
             return False
         width = max(self.blocks.blocks_needed(self.blocks.num_tokens(s) + steps) for s in seq_ids)
-        return self.graphs.can_chain(len(seq_ids), steps, width)
+        return self.graphs.can_chain(len(seq_ids), steps, width, sampled)
 
     def greedy_chain(self, seq_ids: Sequence[Hashable], first_ids: torch.Tensor | Sequence[int],
-                     steps: int) -> torch.Tensor:
+                     steps: int, sampled: bool = False, start: int = 0) -> torch.Tensor:
         """`steps` greedy single-token forwards of seq_ids on a chain graph (see can_chain): the
         first feeds first_ids (host ids, or ids on the device; one per sequence), each later one
         the argmax of the one before. The KV slots of all steps are reserved here, then one staged
         copy and `steps` replays run them with no host work in between. Returns the
         [steps, len(seq_ids)] argmaxes on the device: what `steps` rounds of prepare, forward and
-        argmax would give."""
-        if not self.can_chain(seq_ids, steps):
+        argmax would give. sampled: the sampled chain instead (its sampler's parameters and
+        uniforms staged by the caller), drawing into its rows start .. start + steps - 1."""
+        if not self.can_chain(seq_ids, steps, sampled):
             raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
         self._reserve_check([SeqInput(s, [0] * steps) for s in seq_ids])
         starts = [self.blocks.num_tokens(s) for s in seq_ids]
@@ -173,7 +174,7 @@ class ModelRunner:
         batch = self.graphs.stage([0] * n if on_device else list(first_ids), starts, slots,
                                   list(range(n + 1)), [p + 1 for p in starts], tables, list(range(n)),
                                   [1] * n, max(len(t) for t in tables))
-        return self.graphs.chain(batch, first_ids if on_device else None, steps)
+        return self.graphs.chain(batch, first_ids if on_device else None, steps, sampled, start)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -61,6 +61,21 @@ class DraftEngine(ModelEngine):
             self.sampler = GraphedSampler(self.vocab_size, self.config.graph_batch_sizes,
                                           self.config.max_num_draft, self.config.probs_dtype, self.device)
             log.info("captured %d sampler graphs in %.1fs", len(self.sampler.graphs), time.perf_counter() - t0)
+            self._capture_sampled_chains()
+
+    def _capture_sampled_chains(self) -> None:
+        """With config.sampled_chains: chain graphs whose steps draw with the sampler, on the
+        buckets both have (the runner's chain bucket for n rows must be the sampler's)."""
+        graphs = self.runner.graphs
+        if not (self.config.sampled_chains and self.sampler is not None and graphs is not None and graphs.chains):
+            return
+        if set(self.sampler.batch_sizes) != set(graphs.batch_sizes):
+            log.warning("no sampled chains: sampler buckets %s differ from the graphs' %s",
+                        self.sampler.batch_sizes, graphs.batch_sizes)
+            return
+        t0 = time.perf_counter()
+        graphs.capture_sampled_chains(self.sampler.chain_pick)
+        log.info("captured %d sampled chain graphs in %.1fs", len(graphs.sampled_chains), time.perf_counter() - t0)
 
     def graph_query_lens(self) -> tuple[int, ...]:
         # A step's first forward feeds 1 token per sequence (the target's correction) or 2 (the
@@ -185,6 +200,10 @@ class DraftEngine(ModelEngine):
             if greedy and len(keep) == len(rows) and self._chain(
                     [plans[active[r]] for r in rows], tokens, rows, step, clock, steps):
                 break
+            if not greedy and len(keep) == len(rows) and self._sampled_chain(
+                    [plans[active[r]] for r in rows], tokens, rows, step, clock, steps,
+                    [sampling[r] for r in rows], [seeds[r] for r in rows], [first_pos[r] + step for r in rows]):
+                break
             fed = tokens
             if len(keep) < len(rows):
                 kept = as_device_tensor(keep, torch.int64, self.device)
@@ -247,6 +266,30 @@ class DraftEngine(ModelEngine):
         with clock.forward(n):
             chained = self.runner.greedy_chain(ids, first_ids, n)              # [n, len(plans)]
         steps += [(rows, t, None) for t in chained]
+        return True
+
+    def _sampled_chain(self, plans: list[Plan], first_ids: torch.Tensor, rows: list[int], done: int, clock,
+                       steps: list, params: list, seeds: list[int], positions: list[int]) -> bool:
+        """The rest of a sampled step as one sampled chain (config.sampled_chains), when every plan
+        wants the same number of further tokens and a chain fits: the sampler's parameters and the
+        uniforms of every chained position staged in one copy, then one staged forward batch and a
+        replay per position, each drawing row done + i of the sampler's outputs as sample() would
+        (the same kernel, parameters and uniforms: the same tokens and q). Entries go to `steps`
+        as _sample's do and True is returned."""
+        sampler = self.sampler
+        if sampler is None or not self.runner.graphs or not self.runner.graphs.sampled_chains:
+            return False
+        left = {p.seq.num_draft - done for p in plans}
+        ids = [p.seq.seq_id for p in plans]
+        if len(left) != 1 or sampler.chain_bucket(len(ids)) is None:
+            return False
+        n = left.pop()
+        if done + n > sampler.max_steps or not self.runner.can_chain(ids, n, sampled=True):
+            return False
+        sampler.stage_chain(params, seeds, positions, done, n)
+        with clock.forward(n):
+            chained = self.runner.greedy_chain(ids, first_ids, n, sampled=True, start=done)   # [n, len(ids)]
+        steps += [(rows, chained[i], sampler.q[done + i, :len(ids)]) for i in range(n)]
         return True
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:

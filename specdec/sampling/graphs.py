@@ -23,6 +23,13 @@ picks): the same bits as the eager call. On CUDA the body is the fused sampling 
 one graph per bucket serves every filter mix. Elsewhere (the CPU stand-in graphs of the tests, or
 CUDA with the kernel switched off) it is torch's draft_sample, and two filter sets are captured:
 with the vocabulary sort (some row uses top-k or top-p) and without it.
+
+Sampled chains (opt-in, EngineConfig.sampled_chains; cuda_graphs.GraphedForward.capture_sampled_chains):
+chain_pick(b) gives a chain graph of bucket (b, 1) its sampling step, which draws row `at` of the
+same output buffers with the same kernel, from parameters and a table of uniforms (one row per
+output row) that stage_chain writes in one copy for a whole chain. So the positions after a
+sampled step's first cost one staged copy and one replay each, with no host work in between, and
+draw what sample() would have drawn position by position.
 """
 from __future__ import annotations
 
@@ -41,6 +48,13 @@ from specdec.sampling.rng import ACCEPT, DRAFT, RESAMPLE, uniform_host
 from specdec.staging import PackedBuffer
 
 F32, F64, I64, BOOL = torch.float32, torch.float64, torch.int64, torch.bool
+
+
+def _param_tensors(v: list[torch.Tensor], sort: bool) -> SamplingTensors:
+    """The rows' parameters from a packed buffer's first five views; every filter of the set on
+    (seeds are not read: the uniforms come staged, rng.uniform_host)."""
+    return SamplingTensors(temperature=v[0], top_p=v[1], min_p=v[2], top_k=v[3], greedy=v[4], seeds=v[3],
+                           all_greedy=False, any_top_k=sort, any_top_p=sort, any_min_p=True)
 
 
 @dataclass
@@ -87,6 +101,7 @@ class GraphedSampler(_Buckets):
         self.tokens = torch.zeros(max_steps, bmax, dtype=I64, device=device)
         self.q = torch.zeros(max_steps, bmax, vocab_size, dtype=transport_dtype, device=device)
         self.replays = 0
+        self.chain_buffers: dict[int, PackedBuffer] = {}   # bucket -> a sampled chain's staged inputs
         self._capture_all()
 
     def _layout(self, b: int) -> list[tuple[int, torch.dtype]]:
@@ -108,22 +123,70 @@ class GraphedSampler(_Buckets):
     @torch.inference_mode()
     def _capture(self, b: int, sort: bool, pool, statics: _SamplerGraph) -> _SamplerGraph:
         packed, logits, v = statics.packed, statics.logits, statics.packed.views
-        # seeds are not read: the uniforms come staged (rng.uniform_host)
-        tensors = SamplingTensors(temperature=v[0], top_p=v[1], min_p=v[2], top_k=v[3], greedy=v[4],
-                                  seeds=v[3], all_greedy=False, any_top_k=sort, any_top_p=sort,
-                                  any_min_p=True)
+        tensors = _param_tensors(v, sort)
         u, at = v[5], v[6]
         tokens, q = self.tokens[:, :b], self.q[:, :b]
+        return _SamplerGraph(self._record(lambda: self._draw(logits, tensors, u, at, q, tokens), pool)[0],
+                             packed, logits)
 
-        def body():
-            if fused.applies(logits.device):   # draft_sample's CUDA kernel, writing row `at` itself
-                fused.fused_sample(logits, *tensors.filters(), u, q, tokens, step=at)
-                return
-            tok, weights = draft_sample(logits, tensors, None, self.dtype, u=u)
-            tokens.index_copy_(0, at, tok[None])
-            q.index_copy_(0, at, weights.to(self.dtype)[None])
+    def _draw(self, logits, tensors: SamplingTensors, u, at, q, tokens) -> None:
+        """draft_sample of logits [b, V] with uniforms u [b] into row `at` of q and tokens."""
+        if fused.applies(logits.device):   # draft_sample's CUDA kernel, writing row `at` itself
+            fused.fused_sample(logits, *tensors.filters(), u, q, tokens, step=at)
+            return
+        tok, weights = draft_sample(logits, tensors, None, self.dtype, u=u)
+        tokens.index_copy_(0, at, tok[None])
+        q.index_copy_(0, at, weights.to(self.dtype)[None])
 
-        return _SamplerGraph(self._record(body, pool)[0], packed, logits)
+    # --- sampled chains (cuda_graphs.GraphedForward.capture_sampled_chains) ----------------------
+    def chain_pick(self, b: int):
+        """(pick, tokens) for a sampled chain graph on bucket b: pick(logits [b, V], at) draws row
+        `at` of the output buffers with the chain's staged parameters and row `at` of its staged
+        uniforms, and returns the drawn tokens [b]; None if b is not a bucket here."""
+        if b not in self.batch_sizes:
+            return None
+        with torch.inference_mode():
+            packed = PackedBuffer(self._chain_layout(b), self.device)
+            rows = host_rows([SamplingParams()] * b, [0] * b)
+            packed.fill(self._chain_arrays(rows, [0.0] * (self.max_steps * b), 0))
+        self.chain_buffers[b] = packed
+        tensors, u_all = _param_tensors(packed.views, True), packed.views[5].view(self.max_steps, b)
+        tokens, q = self.tokens[:, :b], self.q[:, :b]
+
+        def pick(logits, at):
+            self._draw(logits, tensors, u_all.index_select(0, at).view(b), at, q, tokens)
+            return tokens.index_select(0, at).view(b)
+        return pick, tokens
+
+    def _chain_layout(self, b: int) -> list[tuple[int, torch.dtype]]:
+        # temperature, top_p, min_p; top_k; greedy; the uniforms of every output row
+        return [(b, F32)] * 3 + [(b, I64), (b, BOOL), (self.max_steps * b, F64)]
+
+    @staticmethod
+    def _chain_arrays(rows, u: list[float], pad: int) -> list[list]:
+        return [rows.temperature + [1.0] * pad, rows.top_p + [1.0] * pad, rows.min_p + [0.0] * pad,
+                rows.top_k + [0] * pad, rows.greedy + [True] * pad, u]
+
+    def chain_bucket(self, rows: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= rows and b in self.chain_buffers), None)
+
+    def stage_chain(self, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
+                    start: int, steps: int) -> None:
+        """Stages a sampled chain of `steps` positions for these rows, in one copy: their parameters
+        and, for output rows start .. start + steps - 1, the uniforms of positions positions[j] + i
+        (i = 0 .. steps - 1; DRAFT draws: a chain never holds an extension's first token, the
+        guess). What sample() would stage position by position, so the draws are the same."""
+        n = len(params)
+        b = self.chain_bucket(n)
+        if b is None or not 0 <= start <= self.max_steps - steps or steps < 1 or len(positions) != n:
+            raise ValueError(f"sampled chain: {n} rows, {steps} steps from row {start}")
+        rows = host_rows(params, seeds)
+        u = uniform_host([s for _ in range(steps) for s in rows.seeds],
+                         [p + i for i in range(steps) for p in positions], [DRAFT] * (steps * n))
+        table = [0.0] * (self.max_steps * b)
+        for i in range(steps):
+            table[(start + i) * b:(start + i) * b + n] = u[i * n:(i + 1) * n].tolist()
+        self.chain_buffers[b].fill(self._chain_arrays(rows, table, b - n))
 
     def fits(self, rows: int, step: int, vocab_size: int) -> bool:
         return 1 <= rows <= self.batch_sizes[-1] and 0 <= step < self.max_steps and vocab_size == self.vocab_size
@@ -212,9 +275,7 @@ class GraphedVerifier(_Buckets):
         kq = self.kmax + 1
         packed, logits, draft_probs, out = statics.packed, statics.logits, statics.draft_probs, statics.out
         t = packed.views
-        tensors = SamplingTensors(temperature=t[0], top_p=t[1], min_p=t[2], top_k=t[3], greedy=t[4],
-                                  seeds=t[3], all_greedy=False, any_top_k=sort, any_top_p=sort,
-                                  any_min_p=True)
+        tensors = _param_tensors(t, sort)
         drafts, layout = t[5], t[6].view(b, layout_width(self.kmax))
         u_acc, u_res = t[7].view(b, kq), t[8].view(b, kq)
 

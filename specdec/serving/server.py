@@ -147,6 +147,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                    help="sample op by op on cuda (default: on CUDA graphs: the draft's sampling one "
                         "replay per drafted position, the target's rejection step one per verify; "
                         "sampling/graphs.py)")
+    p.add_argument("--sampled-chains", action="store_true",
+                   help="draft: the positions after a sampled step's first as one chain of graph "
+                        "replays, as greedy steps run (opt-in until timed on the GPU; cuda_graphs.py)")
     p.add_argument("--no-gemv-kernels", dest="gemv_kernels", action="store_const", const=False,
                    default=None, help="cuBLAS for every linear layer on cuda (default: the Triton GEMV "
                                       "for steps of <= 16 tokens, cuBLAS above)")
@@ -188,7 +191,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             max_model_len=a.max_model_len, max_num_draft=a.max_num_draft,
             probs_dtype=parse_dtype(getattr(a, "probs_dtype", "float16")),
             warmup_batch_sizes=_ints(sizes, "--warmup-batch-sizes"), cuda_graphs=a.cuda_graphs,
-            sampler_graphs=a.sampler_graphs,
+            sampler_graphs=a.sampler_graphs, sampled_chains=a.sampled_chains,
             graph_query_lens=(_ints(a.graph_query_lens, "--graph-query-lens")
                               if a.graph_query_lens else None),
             graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),

@@ -138,6 +138,40 @@ def test_sampled_drafts_on_sampler_graphs_equal_eager_sampling(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampled_chains_draft_what_position_by_position_sampling_drafts(tmp_path, dtype):
+    """Sampled chains (config.sampled_chains: the positions after a sampled step's first as one
+    chain of graph replays drawing with the sampler's fused kernel) against the same engine
+    sampling each position on its sampler graph: uniform steps (chained), a ragged one (not), an
+    extension (chained from its second token), a greedy row among sampled ones: the same tokens
+    and distributions bit for bit; the chains ran."""
+    from specdec.sampling.params import SamplingParams
+    _, draft_path = make_pair(tmp_path)
+    engines = [DraftEngine(EngineConfig(model=draft_path, device="cuda", dtype=dtype, num_blocks=256,
+                                        block_size=16, warmup_batch_sizes=(1,), graph_batch_sizes=(1, 2, 4),
+                                        max_num_draft=8, sampled_chains=on)) for on in (False, True)]
+    assert not engines[0].runner.graphs.sampled_chains and set(engines[1].runner.graphs.sampled_chains) == {1, 2, 4}
+    rows = [SamplingParams(temperature=0.9, top_k=20, seed=7), SamplingParams(temperature=1.1, seed=8),
+            SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=9)]
+
+    def run(e):
+        out = e.propose([DraftSeqInput(i, 0, list(PROMPTS[i]), 4, rows[i], first=True) for i in range(4)]).outputs
+        out += e.propose([DraftSeqInput(i, 2, [44 + i], 4, rows[i]) for i in range(4)]).outputs
+        out += e.propose([DraftSeqInput(0, 1, [], 3, rows[0], extend=True), DraftSeqInput(1, 0, [7], 5, rows[1])]).outputs
+        out += e.propose([DraftSeqInput(2, 1, [9], 6, rows[2]), DraftSeqInput(3, 0, [5], 6, rows[3])]).outputs
+        return out
+
+    before = engines[1].sampler.replays
+    plain, chained = run(engines[0]), run(engines[1])
+    # 4 steps: chained ones replay the sampler graph for their first position only
+    assert engines[1].sampler.replays - before < engines[0].sampler.replays
+    for a, b in zip(plain, chained):
+        assert a.error is None and b.error is None and a.tokens == b.tokens
+        assert (a.probs is None) == (b.probs is None)
+        if a.probs is not None:
+            assert torch.equal(dense_weights(a.probs), dense_weights(b.probs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampled_verifies_on_graphs_equal_eager_rejection(tmp_path, dtype):
     """The target's rejection graphs (sampling/graphs.GraphedVerifier) against the same engine
     sampling op by op: sampled and greedy sequences, ragged draft counts (0 included), four steps

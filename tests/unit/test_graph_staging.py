@@ -13,49 +13,13 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig
-from specdec.cuda_graphs import CHAIN_MAX, GraphedForward, _Chain, _Graph
+from specdec.cuda_graphs import CHAIN_MAX, GraphedForward
 from specdec.kernels.triton_attention import TritonAttention
 from specdec.models.loader import build_model, init_random
 from specdec.runner import ModelRunner, SeqInput
+from tests.helpers.cpu_graphs import CpuGraphs
 from tests.helpers.op_sets import tiny_config
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: single-threaded)
-
-
-class _ModelReplay:
-    """graph.replay(): the model over the static batch, into the static logits."""
-
-    def __init__(self, graphs: "CpuGraphs", batch, logits):
-        self.graphs, self.batch, self.logits = graphs, batch, logits
-
-    def replay(self):
-        g = self.graphs
-        self.logits.copy_(g._model(self.batch, g._kv, g._backend))
-
-
-class _ChainReplay:
-    """A chain graph's replay(): its step on the bucket's static inputs."""
-
-    def __init__(self, graphs: "CpuGraphs", g, tokens, at):
-        self.step = lambda: graphs._chain_step(g, tokens, at)
-
-    def replay(self):
-        self.step()
-
-
-class CpuGraphs(GraphedForward):
-    _check_device = staticmethod(lambda device: None)
-    _new_pool = staticmethod(lambda: None)
-
-    def _capture(self, b, q, pool):
-        with torch.inference_mode():
-            batch, packed = self._static_batch(b, q)
-            logits = self._logits_out(b, q)   # the real capture's output: a view of the shared buffer
-        return _Graph(_ModelReplay(self, batch, logits), batch, packed, logits)
-
-    def _capture_chain(self, b, pool):
-        with torch.inference_mode():
-            tokens, at = self._chain_buffers(b)
-        return _Chain(_ChainReplay(self, self.graphs[(b, 1)], tokens, at), tokens, at)
 
 
 def eager_and_cpu_graphed(num_blocks: int, **graphs) -> tuple[ModelRunner, ModelRunner]:

@@ -12,39 +12,16 @@ import torch
 from specdec.config import EngineConfig
 from specdec.engine import DraftEngine, DraftSeqInput
 from specdec.sampling.draft import draft_sample
-from specdec.sampling.graphs import GraphedSampler, GraphedVerifier
+from specdec.sampling.graphs import GraphedVerifier
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.transport import dense_weights
 from specdec.sampling.rejection import rejection_sample
-from specdec.staging import as_device_tensor
+from tests.helpers.cpu_graphs import CpuCaptures, CpuSampler
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
 from tests.helpers.tiny_models import make_checkpoint
 
 V = 96
-
-
-class _Replay:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
-class CpuCaptures:
-    """Graphs whose 'replay' calls the captured function again on the same buffers."""
-    _check_device = staticmethod(lambda device: None)
-    _new_pool = staticmethod(lambda: None)
-
-    @staticmethod
-    def _record(fn, pool):
-        fn()  # as the real capture's warm-up does
-        return _Replay(fn), None
-
-
-class CpuSampler(CpuCaptures, GraphedSampler):
-    pass
 
 
 ROWS = [SamplingParams(temperature=0.8, top_k=5, seed=1), SamplingParams(),  # a greedy row
