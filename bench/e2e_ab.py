@@ -1,0 +1,140 @@
+"""An A/B of bench/e2e.py: two configurations run in alternating passes (A, B, A, B, ...) in one
+call, and a table of per-row medians with B / A ratios, since a single pass on these hosts moves
+by more than most changes do.
+
+    python3 bench/e2e_ab.py --passes 3 --b-args=--draft-args=--sampled-chains -- \\
+        --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100
+    python3 bench/e2e_ab.py --passes 3 --b-env SPECDEC_DRAFT_DEVICE_SPARSE=0 -- --sections 7b ...
+
+Arguments after `--` go to every pass; --a-args / --b-args (one string each) and --a-env / --b-env
+(NAME=VALUE, repeatable) to one side. Each pass is its own e2e.py process (fresh servers). Rows are
+matched by (pair, gpus, batch). bench/results/e2e.json (e2e_smoke.json with --smoke) is left as it
+was; every pass's rows go into bench/results/e2e_ab.json with the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+from common import ROOT, environment, table, write_result
+
+# What is compared per row (e2e.py's keys) and how the table names them.
+METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", ".0f"),
+           ("speedup", "speedup", ".2f"), ("step_ms_spec", "spec step ms", ".2f"),
+           ("draft_host_ms_spec", "draft host ms", ".2f"), ("target_host_ms_spec", "target host ms", ".2f"),
+           ("overhead_ms_spec", "transport ms", ".2f")]
+RESULTS = ROOT / "bench" / "results"
+
+
+def result_file(args: list[str]):
+    """Where e2e.py with these arguments writes its rows."""
+    return RESULTS / ("e2e_smoke.json" if "--smoke" in args else "e2e.json")
+
+
+def row_key(row: dict) -> tuple:
+    return (row.get("pair"), row.get("gpus"), row.get("batch"))
+
+
+def summarize(passes: dict[str, list[list[dict]]]) -> list[dict]:
+    """passes: side -> one list of e2e rows per pass. One summary row per (pair, gpus, batch) that
+    both sides measured (a row without spec_tok_s, a pass that failed it, does not count): each
+    metric's median per side (and the values), and B / A of the medians."""
+    keys = []
+    for rows in passes["A"] + passes["B"]:
+        for r in rows:
+            if r.get("spec_tok_s") is not None and row_key(r) not in keys:
+                keys.append(row_key(r))
+    out = []
+    for key in keys:
+        got = {side: [r for rows in passes[side] for r in rows if row_key(r) == key and r.get("spec_tok_s") is not None]
+               for side in ("A", "B")}
+        if not got["A"] or not got["B"]:
+            continue
+        row = {"pair": key[0], "gpus": key[1], "batch": key[2], "passes_a": len(got["A"]), "passes_b": len(got["B"])}
+        for m, _, _ in METRICS:
+            for side in ("A", "B"):
+                vals = [r[m] for r in got[side] if r.get(m) is not None]
+                row[f"{m}_{side.lower()}_values"] = vals
+                row[f"{m}_{side.lower()}"] = statistics.median(vals) if vals else None
+            a, b = row[f"{m}_a"], row[f"{m}_b"]
+            row[f"{m}_ratio"] = b / a if a and b is not None else None
+        out.append(row)
+    return out
+
+
+def run_pass(args: list[str], env: dict[str, str], timeout: float) -> tuple[list[dict], float, int]:
+    """One e2e.py process: its rows (none if it wrote no new result), seconds, return code."""
+    out = result_file(args)
+    before = out.stat().st_mtime_ns if out.exists() else None
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), *args], cwd=ROOT,
+                          env={**os.environ, **env}, timeout=timeout)
+    fresh = out.exists() and out.stat().st_mtime_ns != before
+    rows = json.loads(out.read_text()).get("rows", []) if fresh else []
+    return rows, time.perf_counter() - t0, proc.returncode
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--a-env / --b-env: expected NAME=VALUE, got {item!r}")
+        env[name] = value
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    common = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=3, help="passes per side (alternating)")
+    ap.add_argument("--a-args", default="", help="e2e.py arguments of side A only, one string")
+    ap.add_argument("--b-args", default="", help="e2e.py arguments of side B only, one string")
+    ap.add_argument("--a-env", action="append", default=[], help="NAME=VALUE for side A's processes")
+    ap.add_argument("--b-env", action="append", default=[], help="NAME=VALUE for side B's processes")
+    ap.add_argument("--pass-timeout", type=float, default=300.0, help="seconds one e2e.py pass may take")
+    a = ap.parse_args(own)
+    sides = {"A": (common + shlex.split(a.a_args), parse_env(a.a_env)),
+             "B": (common + shlex.split(a.b_args), parse_env(a.b_env))}
+    if sides["A"] == sides["B"]:
+        raise SystemExit("e2e_ab: sides A and B are the same configuration")
+    outs = {result_file(args) for args, _ in sides.values()}
+    saved = {out: out.read_bytes() for out in outs if out.exists()}
+    passes: dict[str, list[list[dict]]] = {"A": [], "B": []}
+    log = []
+    try:
+        for i in range(a.passes):
+            for side in ("A", "B"):
+                args, env = sides[side]
+                rows, secs, rc = run_pass(args, env, a.pass_timeout)
+                passes[side].append(rows)
+                log.append({"pass": i + 1, "side": side, "seconds": secs, "returncode": rc, "rows": rows})
+                print(f"pass {i + 1} {side}: rc {rc}, {len(rows)} rows, {secs:.0f}s", flush=True)
+    finally:
+        for out, data in saved.items():
+            out.write_bytes(data)
+    summary = summarize(passes)
+    result = {"benchmark": "e2e_ab", "environment": environment(), "common_args": common,
+              "a": {"args": sides["A"][0], "env": sides["A"][1]}, "b": {"args": sides["B"][0], "env": sides["B"][1]},
+              "passes": a.passes, "summary": summary, "log": log}
+    path = write_result("e2e_ab", result)
+    cols = [("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d")]
+    for m, name, fmt in METRICS:
+        cols += [(f"{m}_a", f"{name} A", fmt), (f"{m}_b", f"{name} B", fmt), (f"{m}_ratio", "B/A", ".3f")]
+    print(f"A: {shlex.join(sides['A'][0])} {sides['A'][1]}\nB: {shlex.join(sides['B'][0])} {sides['B'][1]}")
+    print(f"medians of {a.passes} alternating passes per side")
+    print(table(summary, cols))
+    print(f"wrote {path}")
+    return 0 if all(entry["returncode"] == 0 for entry in log) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
