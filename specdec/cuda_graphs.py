@@ -92,15 +92,18 @@ class GraphCaptures:
         return torch.cuda.graph_pool_handle()
 
     @staticmethod
-    def _record(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _record(fn, pool, reset=None) -> tuple[torch.cuda.CUDAGraph, object]:
         """fn() run twice on a side stream (Triton kernels compile and allocations settle outside
         the capture), then captured into a graph on `pool`: (the graph, what the captured call
-        returned)."""
+        returned). reset(), if given, runs after each warm-up run: for a function that advances
+        state of its own (a chain's row counter) and must not run past its buffers."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
+                if reset is not None:
+                    reset()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
@@ -269,8 +272,9 @@ class GraphedForward(GraphCaptures):
         own, at = self._chain_buffers(b)
         tokens = own if tokens is None else tokens
         # The warm-up runs advance the static inputs, which hold padding (slot -1): nothing is
-        # written, and every chain stages its own inputs and resets `at` first.
-        graph, _ = self._record(lambda: self._chain_step(g, tokens, at, pick), pool)
+        # written, and every chain stages its own inputs. `at` goes back to row 0 after each: a
+        # sampled chain's rows are the sampler's (max_num_draft of them, possibly 1).
+        graph, _ = self._record(lambda: self._chain_step(g, tokens, at, pick), pool, reset=at.zero_)
         return _Chain(graph, tokens, at)
 
     def capture_sampled_chains(self, pick_for) -> None:

@@ -61,8 +61,10 @@ class CpuCaptures:
     _new_pool = staticmethod(lambda: None)
 
     @staticmethod
-    def _record(fn, pool):
+    def _record(fn, pool, reset=None):
         fn()  # as the real capture's warm-up does
+        if reset is not None:
+            reset()
         return _Replay(fn), None
 
 
