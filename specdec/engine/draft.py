@@ -177,6 +177,10 @@ class DraftEngine(ModelEngine):
             # step can be one chain, its first forward included.
             if self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps):
                 items = []
+        elif (not greedy and len(active) == len(plans) and all(len(p.feed) == 1 for p in plans)
+              and not any(guess) and self._sampled_chain(plans, [p.feed[0] for p in plans], rows, 0, clock,
+                                                         steps, sampling, seeds, first_pos)):
+            items = []   # the same for sampled steps; not with a guess (its first draw is RESAMPLE's)
         while items:
             with clock.forward():
                 batch = self.runner.prepare(items)

@@ -53,10 +53,11 @@ T = [SamplingParams(temperature=0.9, top_k=20, seed=7), SamplingParams(temperatu
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_sampled_chains_draft_what_the_plain_engine_drafts(tmp_path, dtype):
-    """Uniform sampled steps (chained after their first position), a greedy row among sampled ones
-    (chained too: the sampler draws greedy rows as argmaxes), ragged num_draft (no chain), an
-    extension whose first token is a guess (chained from its second), 3 rows in a bucket of 4,
-    steps of 2 drafts (a chain of 1) and of 6 (up to the sampler's last row)."""
+    """Uniform sampled steps (chained after their first position, or from it where every sequence
+    feeds one token), a greedy row among sampled ones (chained too: the sampler draws greedy rows
+    as argmaxes), ragged num_draft (no chain), an extension whose first token is a guess (chained
+    from its second), 3 rows in a bucket of 4, steps of 2 drafts (a chain of 1) and of 6 (up to
+    the sampler's last row)."""
     plain, chained = _engines(tmp_path, dtype)
     steps = [
         [DraftSeqInput(1, 0, [3, 4, 5], 4, T[0], first=True), DraftSeqInput(2, 0, [7, 1], 4, T[1], first=True)],
@@ -83,9 +84,11 @@ def test_sampled_chains_draft_what_the_plain_engine_drafts(tmp_path, dtype):
     # position on the sampler graph and the rest in the chain; a ragged one samples every position.
     # Step 1: the prompts run eagerly (no graph), then the chain of 3. Step 2: feeds of 2 and 1
     # tokens (graph (2, 2)), then a chain of 3. Step 3: the new sequence's prompt is eager, then a
-    # chain of 2. Step 4: ragged, 5 positions of 3, 2, 1 rows. Step 5: the extension (graph) and a
-    # chain of 2. Step 6: a chain of 1. Step 7: one graph forward, a chain of 5.
-    assert chains == [(3, 1), (4, 1), (2, 1), (5, 5), (3, 1), (2, 1), (6, 1)]
+    # chain of 2. Step 4: ragged, 5 positions of 3, 2, 1 rows. Step 5: the extension (graph; its
+    # first draw is a guess) and a chain of 2. Step 6: feeds of 1 and 2 tokens (graph (2, 2)), a
+    # chain of 1. Step 7: one sequence feeding 1 token: the whole step is a chain of 6, its first
+    # position included (no sampler replay).
+    assert chains == [(3, 1), (4, 1), (2, 1), (5, 5), (3, 1), (2, 1), (6, 0)]
 
 
 def test_without_the_flag_no_sampled_chain_is_captured_or_run(tmp_path):
