@@ -3,7 +3,9 @@
 # Logs and the stages' JSON go to $OUT (default bench/results); only those files are copied, since
 # the device returns a bounded number of files.
 #   bash bench/gpu_suite.sh STAGE...
-# Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-profile
+# Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-ab (E2E_AB_ARGS:
+#         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--sampled-chains --
+#         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz), serving, attention, decode, cost, gemv, anatomy. Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~200 s
 #   bash bench/gpu_suite.sh tests-attention       # ~300 s
@@ -47,6 +49,8 @@ for s in "$@"; do
              tests/gpu/test_triton_attention_gpu.py ;;
     numerics) run numerics "${NUMERICS_S:-120}" python3 bench/numerics.py; keep numerics.json ;;
     e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}" ${E2E_ARGS:-}; keep e2e.json ;;
+    e2e-ab) run e2e-ab "${E2E_AB_S:-520}" python3 bench/e2e_ab.py ${E2E_AB_ARGS:?E2E_AB_ARGS: e2e_ab.py arguments}
+            keep e2e_ab.json ;;
     e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files)
       rm -rf /tmp/specdec-profiles && mkdir -p /tmp/specdec-profiles
       SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \
