@@ -113,10 +113,7 @@ def encode_probs(weights: torch.Tensor | SparseWeights, dtype: torch.dtype = tor
     if isinstance(weights, SparseWeights):
         if weights.dtype != torch.float16 or dtype != torch.float16 or sparse is False:
             raise ValueError(f"SparseWeights are packed sparse and float16, not {dtype} (sparse={sparse})")
-        lengths = np.bincount(weights.flat // weights.vocab_size, minlength=weights.rows)
-        return EncodedProbs("SPARSE_FP16", weights.rows, weights.vocab_size, weights.bits.astype("<i2").tobytes(),
-                            (weights.flat % weights.vocab_size).astype("<i4").tobytes(),
-                            lengths.astype("<i4").tobytes())
+        return _sparse_encoded(weights.rows, weights.vocab_size, weights.flat, weights.bits)
     rows, vocab = weights.shape
     bits = _bits(weights, dtype)
     nonzero = None
@@ -133,9 +130,14 @@ def encode_probs(weights: torch.Tensor | SparseWeights, dtype: torch.dtype = tor
         raise ValueError(f"sparse draft probabilities are float16 only, got {dtype}")
     if nonzero is None:
         nonzero = np.flatnonzero((bits & 0x7FFF) != 0)                     # row-major: columns ascend per row
-    lengths = np.bincount(nonzero // vocab, minlength=rows)
-    return EncodedProbs("SPARSE_FP16", rows, vocab, bits.reshape(-1)[nonzero].astype("<i2").tobytes(),
-                        (nonzero % vocab).astype("<i4").tobytes(), lengths.astype("<i4").tobytes())
+    return _sparse_encoded(rows, vocab, nonzero, bits.reshape(-1)[nonzero])
+
+
+def _sparse_encoded(rows: int, vocab: int, flat: np.ndarray, bits: np.ndarray) -> EncodedProbs:
+    """SPARSE_FP16 of nonzeros at flat = row * vocab + column (row-major, columns ascending)."""
+    lengths = np.bincount(flat // vocab, minlength=rows)
+    return EncodedProbs("SPARSE_FP16", rows, vocab, bits.astype("<i2").tobytes(),
+                        (flat % vocab).astype("<i4").tobytes(), lengths.astype("<i4").tobytes())
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,8 @@ def draft_rows_to_host(q: torch.Tensor, lengths: Sequence[int], counts: Sequence
         raise ValueError(f"draft_rows_to_host: {q.shape[0]} {q.dtype} rows, lengths summing to {sum(lengths)}, "
                          f"{'no' if counts is None else len(counts)} counts (fp16 rows only)")
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
-    sparse = [counts is not None and n > 0 and _sparse_is_smaller(sum(counts[a:b]), n, vocab)
-              for n, a, b in zip(lengths, starts, starts[1:])]
+    nnz = [0 if counts is None else sum(counts[a:b]) for a, b in zip(starts, starts[1:])]   # per sequence
+    sparse = [counts is not None and n > 0 and _sparse_is_smaller(z, n, vocab) for n, z in zip(lengths, nnz)]
     out: list = [None] * len(lengths)
     for want_sparse in (False, True):
         seqs = [i for i, n in enumerate(lengths) if n and sparse[i] == want_sparse]
@@ -204,7 +206,7 @@ def draft_rows_to_host(q: torch.Tensor, lengths: Sequence[int], counts: Sequence
             for i, part in zip(seqs, sub.cpu().split([lengths[i] for i in seqs])):
                 out[i] = part
             continue
-        total = sum(counts[r] for r in rows)
+        total = sum(nnz[i] for i in seqs)
         bits = sub.view(torch.int16).reshape(-1)
         # nonzero_static: the size is known from the counts, so no second sync to learn it.
         flat = torch.nonzero_static((bits & 0x7FFF) != 0, size=total).squeeze(1)   # row-major: ascending
@@ -214,10 +216,9 @@ def draft_rows_to_host(q: torch.Tensor, lengths: Sequence[int], counts: Sequence
             raise ValueError("draft_rows_to_host: counts above the rows' nonzeros")
         at, row0 = 0, 0
         for i in seqs:
-            n = lengths[i]
-            nnz = sum(counts[starts[i]:starts[i + 1]])
-            out[i] = SparseWeights(n, vocab, torch.float16, flat_h[at:at + nnz] - row0 * vocab, bits_h[at:at + nnz])
-            at, row0 = at + nnz, row0 + n
+            n, z = lengths[i], nnz[i]
+            out[i] = SparseWeights(n, vocab, torch.float16, flat_h[at:at + z] - row0 * vocab, bits_h[at:at + z])
+            at, row0 = at + z, row0 + n
     return out
 
 
