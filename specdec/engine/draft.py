@@ -172,15 +172,13 @@ class DraftEngine(ModelEngine):
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
         step = 0
-        if greedy and len(active) == len(plans) and all(len(p.feed) == 1 for p in plans):
-            # Every sequence feeds one token (the target's correction) and drafts: the whole
-            # step can be one chain, its first forward included.
-            if self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps):
-                items = []
-        elif (not greedy and len(active) == len(plans) and all(len(p.feed) == 1 for p in plans)
-              and not any(guess) and self._sampled_chain(plans, [p.feed[0] for p in plans], rows, 0, clock,
-                                                         steps, sampling, seeds, first_pos)):
-            items = []   # the same for sampled steps; not with a guess (its first draw is RESAMPLE's)
+        # Every sequence feeds one token (the target's correction) and drafts: the whole step can
+        # be one chain, its first forward included (not with a guess: its first draw uses the
+        # RESAMPLE uniform, which a sampled chain does not stage).
+        if (len(active) == len(plans) and all(len(p.feed) == 1 for p in plans) and (greedy or not any(guess))
+                and self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps,
+                                None if greedy else (sampling, seeds, first_pos))):
+            items = []
         while items:
             with clock.forward():
                 batch = self.runner.prepare(items)
@@ -201,12 +199,10 @@ class DraftEngine(ModelEngine):
             keep = [j for j, r in enumerate(rows) if plans[active[r]].seq.num_draft > step]
             if not keep:
                 break  # every sequence has its drafts (the usual uniform-γ step)
-            if greedy and len(keep) == len(rows) and self._chain(
-                    [plans[active[r]] for r in rows], tokens, rows, step, clock, steps):
-                break
-            if not greedy and len(keep) == len(rows) and self._sampled_chain(
+            if len(keep) == len(rows) and self._chain(
                     [plans[active[r]] for r in rows], tokens, rows, step, clock, steps,
-                    [sampling[r] for r in rows], [seeds[r] for r in rows], [first_pos[r] + step for r in rows]):
+                    None if greedy else ([sampling[r] for r in rows], [seeds[r] for r in rows],
+                                         [first_pos[r] + step for r in rows])):
                 break
             fed = tokens
             if len(keep) < len(rows):
@@ -255,45 +251,31 @@ class DraftEngine(ModelEngine):
                                  None if guess is None or not any(guess) else as_device_tensor(guess, torch.bool, dev))
         return tokens, None if q is None else q.to(dtype)   # None: the rows left are all greedy
 
-    def _chain(self, plans: list[Plan], first_ids, rows: list[int], done: int, clock,
-               steps: list) -> bool:
-        """The rest of a greedy step as one chain of graph replays (ModelRunner.greedy_chain), when
-        every plan wants the same number of further tokens and a chain graph fits: their drafts
-        go to `steps` (one entry per position, rows as given) and True is returned. `done`
-        positions were drafted already; first_ids (host or device) feed the first forward."""
+    def _chain(self, plans: list[Plan], first_ids, rows: list[int], done: int, clock, steps: list,
+               sampled: tuple[list, list[int], list[int]] | None = None) -> bool:
+        """The rest of a step as one chain of graph replays (ModelRunner.greedy_chain), when every
+        plan wants the same number of further tokens and a chain graph fits: their drafts go to
+        `steps` (one entry per position, rows as given) and True is returned. `done` positions
+        were drafted already; first_ids (host or device) feed the first forward.
+        sampled: the rows' (params, seeds, positions of the first chained draft) for a sampled
+        chain (config.sampled_chains): the sampler's parameters and the uniforms of every chained
+        position are staged in one copy, and replay i draws row done + i of the sampler's outputs
+        as sample() would (the same kernel, parameters and uniforms: the same tokens and q)."""
         left = {p.seq.num_draft - done for p in plans}
         ids = [p.seq.seq_id for p in plans]
-        if len(left) != 1 or not self.runner.can_chain(ids, n := left.pop()):
+        if len(left) != 1 or not self.runner.can_chain(ids, n := left.pop(), sampled is not None):
             return False
+        if sampled is not None:   # sampled chains exist: so does the sampler, with their buckets
+            if done + n > self.sampler.max_steps:
+                return False
+            self.sampler.stage_chain(*sampled, done, n)
         # One timed span for the chain (its staging copy included), split evenly over its n
         # forwards: the live decode profile (and c) gets the chain's mean forward time.
         with clock.forward(n):
-            chained = self.runner.greedy_chain(ids, first_ids, n)              # [n, len(plans)]
-        steps += [(rows, t, None) for t in chained]
-        return True
-
-    def _sampled_chain(self, plans: list[Plan], first_ids: torch.Tensor, rows: list[int], done: int, clock,
-                       steps: list, params: list, seeds: list[int], positions: list[int]) -> bool:
-        """The rest of a sampled step as one sampled chain (config.sampled_chains), when every plan
-        wants the same number of further tokens and a chain fits: the sampler's parameters and the
-        uniforms of every chained position staged in one copy, then one staged forward batch and a
-        replay per position, each drawing row done + i of the sampler's outputs as sample() would
-        (the same kernel, parameters and uniforms: the same tokens and q). Entries go to `steps`
-        as _sample's do and True is returned."""
-        sampler = self.sampler
-        if sampler is None or not self.runner.graphs or not self.runner.graphs.sampled_chains:
-            return False
-        left = {p.seq.num_draft - done for p in plans}
-        ids = [p.seq.seq_id for p in plans]
-        if len(left) != 1 or sampler.chain_bucket(len(ids)) is None:
-            return False
-        n = left.pop()
-        if done + n > sampler.max_steps or not self.runner.can_chain(ids, n, sampled=True):
-            return False
-        sampler.stage_chain(params, seeds, positions, done, n)
-        with clock.forward(n):
-            chained = self.runner.greedy_chain(ids, first_ids, n, sampled=True, start=done)   # [n, len(ids)]
-        steps += [(rows, chained[i], sampler.q[done + i, :len(ids)]) for i in range(n)]
+            chained = self.runner.greedy_chain(ids, first_ids, n, sampled is not None,
+                                               0 if sampled is None else done)   # [n, len(plans)]
+        qs = [None] * n if sampled is None else [self.sampler.q[done + i, :len(ids)] for i in range(n)]
+        steps += [(rows, t, q) for t, q in zip(chained, qs)]
         return True
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:

@@ -119,17 +119,17 @@ def _engine(path, *, sampled: bool, dtype=torch.float16, sizes=(1, 2, 4), max_nu
 
 
 def _count_chains(engine) -> list:
-    """Wraps engine._sampled_chain to record (rows, start, steps) of every chain that ran."""
+    """Wraps engine._chain to record (rows, start, steps) of every sampled chain that ran."""
     ran = []
-    inner = engine._sampled_chain
+    inner = engine._chain
 
-    def spy(plans, first_ids, rows, done, clock, steps, *rest):
+    def spy(plans, first_ids, rows, done, clock, steps, sampled=None):
         before = len(steps)
-        ok = inner(plans, first_ids, rows, done, clock, steps, *rest)
-        if ok:
+        ok = inner(plans, first_ids, rows, done, clock, steps, sampled)
+        if ok and sampled is not None:
             ran.append((len(rows), done, len(steps) - before))
         return ok
-    engine._sampled_chain = spy
+    engine._chain = spy
     return ran
 
 
