@@ -16,7 +16,6 @@ from specdec.sampling.draft import draft_sample, greedy_tokens
 from specdec.sampling.graphs import GraphedSampler
 from specdec.sampling.probs import SamplingTensors, resolve_seeds
 from specdec.sampling import transport
-from specdec.sampling.transport import DRAFT_DEVICE_SPARSE, draft_rows_to_host, nonzero_counts
 from specdec.staging import as_device_tensor
 from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, DraftOutput, DraftSeqInput, SeqFailure, StepResult,
@@ -228,8 +227,9 @@ class DraftEngine(ModelEngine):
                     qs[i].append(q[j])
         flat = [row for rows_i in qs for row in rows_i]
         q_all = torch.stack(flat) if flat else None
-        device_sparse = q_all is not None and DRAFT_DEVICE_SPARSE and len(q_all) >= transport.DEVICE_SPARSE_MIN_ROWS
-        counts = nonzero_counts(q_all) if device_sparse else None
+        device_sparse = (q_all is not None and transport.DRAFT_DEVICE_SPARSE
+                         and len(q_all) >= transport.DEVICE_SPARSE_MIN_ROWS)
+        counts = transport.nonzero_counts(q_all) if device_sparse else None
         pieces = [t for _, t, _ in steps] + ([counts] if counts is not None else [])
         host = torch.cat(pieces).tolist() if pieces else []
         drafted: list[list[int]] = [[] for _ in plans]
@@ -237,7 +237,7 @@ class DraftEngine(ModelEngine):
             drafted[i].append(tok)
         if q_all is None:
             return drafted, [None] * len(plans)
-        return drafted, draft_rows_to_host(q_all, [len(q) for q in qs], None if counts is None else host[len(owner):])
+        return drafted, transport.draft_rows_to_host(q_all, [len(q) for q in qs], None if counts is None else host[len(owner):])
 
     def _sample(self, logits: torch.Tensor, sampling: list, seeds: list[int], positions: list[int],
                 guess: list[bool] | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:

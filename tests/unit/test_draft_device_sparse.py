@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.engine.draft as draft_module
 from specdec.config import EngineConfig
 from specdec.engine import DraftEngine, DraftSeqInput
 from specdec.sampling import transport
@@ -110,7 +109,7 @@ def test_the_draft_engine_sends_the_same_bytes_with_the_switch_on_and_off(draft_
     drafts = [3, 2, 3, 2, 1]
 
     def run(on: bool, first_id: int, min_rows: int = 0):
-        monkeypatch.setattr(draft_module, "DRAFT_DEVICE_SPARSE", on)
+        monkeypatch.setattr(transport, "DRAFT_DEVICE_SPARSE", on)
         monkeypatch.setattr(transport, "DEVICE_SPARSE_MIN_ROWS", min_rows)
         seqs = [DraftSeqInput(first_id + i, 0, [5 + i, 6, 7], k, p, first=True)
                 for i, (k, p) in enumerate(zip(drafts, params))]

@@ -312,7 +312,7 @@ def test_to_host_matches_the_old_tail_for_random_steps(dtype, device, monkeypatc
         ref_tokens, ref_probs = old_to_host(plans, active, steps)
         sampled_rows = sum(0 if p is None else p.shape[0] for p in ref_probs)
         on, min_rows = [(True, 0), (True, sampled_rows), (True, sampled_rows + 1), (False, 0)][trial % 4]
-        monkeypatch.setattr(draft_module, "DRAFT_DEVICE_SPARSE", on)
+        monkeypatch.setattr(transport, "DRAFT_DEVICE_SPARSE", on)
         monkeypatch.setattr(transport, "DEVICE_SPARSE_MIN_ROWS", min_rows)
         tokens, probs = draft_module.DraftEngine._to_host(plans, active, steps)
         assert tokens == ref_tokens
@@ -344,9 +344,9 @@ def test_to_host_threshold_boundary(monkeypatch):
     for s in range(4):   # 4 sequences x 4 positions = 16 sampled rows, top-k-like
         steps.append((active, torch.arange(4) + 10 * s, make_rows(rng, 4, vocab, 8)))
     calls = []
-    real = draft_module.nonzero_counts
-    monkeypatch.setattr(draft_module, "nonzero_counts", lambda q: (calls.append(q.shape[0]), real(q))[1])
-    monkeypatch.setattr(draft_module, "DRAFT_DEVICE_SPARSE", True)
+    real = transport.nonzero_counts
+    monkeypatch.setattr(transport, "nonzero_counts", lambda q: (calls.append(q.shape[0]), real(q))[1])
+    monkeypatch.setattr(transport, "DRAFT_DEVICE_SPARSE", True)
     ref_tokens, ref_probs = old_to_host(plans, active, steps)
     default = transport.DEVICE_SPARSE_MIN_ROWS    # 16 as of 542f878
     for min_rows, sparse in ((16, True), (17, False), (15, True), (default, default <= 16)):
@@ -387,7 +387,7 @@ def random_params(rng: random.Random, seed: int) -> SamplingParams:
 
 
 def run_world(engine, monkeypatch, on: bool, min_rows: int, seqs):
-    monkeypatch.setattr(draft_module, "DRAFT_DEVICE_SPARSE", on)
+    monkeypatch.setattr(transport, "DRAFT_DEVICE_SPARSE", on)
     monkeypatch.setattr(transport, "DEVICE_SPARSE_MIN_ROWS", min_rows)
     return engine.propose(seqs).outputs
 
