@@ -45,15 +45,11 @@ def summarize(passes: dict[str, list[list[dict]]]) -> list[dict]:
     """passes: side -> one list of e2e rows per pass. One summary row per (pair, gpus, batch) that
     both sides measured (a row without spec_tok_s, a pass that failed it, does not count): each
     metric's median per side (and the values), and B / A of the medians."""
-    keys = []
-    for rows in passes["A"] + passes["B"]:
-        for r in rows:
-            if r.get("spec_tok_s") is not None and row_key(r) not in keys:
-                keys.append(row_key(r))
+    measured = {side: [r for rows in passes[side] for r in rows if r.get("spec_tok_s") is not None]
+                for side in ("A", "B")}
     out = []
-    for key in keys:
-        got = {side: [r for rows in passes[side] for r in rows if row_key(r) == key and r.get("spec_tok_s") is not None]
-               for side in ("A", "B")}
+    for key in dict.fromkeys(row_key(r) for r in measured["A"] + measured["B"]):   # first-seen order
+        got = {side: [r for r in measured[side] if row_key(r) == key] for side in ("A", "B")}
         if not got["A"] or not got["B"]:
             continue
         row = {"pair": key[0], "gpus": key[1], "batch": key[2], "passes_a": len(got["A"]), "passes_b": len(got["B"])}
