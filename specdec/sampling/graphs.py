@@ -57,6 +57,13 @@ def _param_tensors(v: list[torch.Tensor], sort: bool) -> SamplingTensors:
                            all_greedy=False, any_top_k=sort, any_top_p=sort, any_min_p=True)
 
 
+def _padded_params(rows, pad: int) -> list[list]:
+    """The rows' temperature, top_p, min_p, top_k and greedy flags (the packed layouts' first five
+    segments), each followed by `pad` greedy padding rows of harmless values."""
+    return [rows.temperature + [1.0] * pad, rows.top_p + [1.0] * pad, rows.min_p + [0.0] * pad,
+            rows.top_k + [0] * pad, rows.greedy + [True] * pad]
+
+
 @dataclass
 class _SamplerGraph:
     graph: object              # torch.cuda.CUDAGraph (tests replay a CPU stand-in); None: statics only
@@ -110,8 +117,7 @@ class GraphedSampler(_Buckets):
 
     @staticmethod
     def _arrays(rows, u, step: int, pad: int) -> list[list]:
-        return [rows.temperature + [1.0] * pad, rows.top_p + [1.0] * pad, rows.min_p + [0.0] * pad,
-                rows.top_k + [0] * pad, rows.greedy + [True] * pad, list(u) + [0.0] * pad, [step]]
+        return _padded_params(rows, pad) + [list(u) + [0.0] * pad, [step]]
 
     @torch.inference_mode()
     def _statics(self, b: int) -> _SamplerGraph:
@@ -164,8 +170,7 @@ class GraphedSampler(_Buckets):
 
     @staticmethod
     def _chain_arrays(rows, u: list[float], pad: int) -> list[list]:
-        return [rows.temperature + [1.0] * pad, rows.top_p + [1.0] * pad, rows.min_p + [0.0] * pad,
-                rows.top_k + [0] * pad, rows.greedy + [True] * pad, u]
+        return _padded_params(rows, pad) + [u]
 
     def chain_bucket(self, rows: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= rows and b in self.chain_buffers), None)
@@ -254,9 +259,8 @@ class GraphedVerifier(_Buckets):
         r_pad = b * (self.kmax + 1) - len(rows.greedy)
         m_pad = b * self.kmax - len(drafts)
         layout = layout_rows(counts + [0] * (b - len(counts)), self.kmax, b * self.kmax)
-        return [rows.temperature + [1.0] * r_pad, rows.top_p + [1.0] * r_pad, rows.min_p + [0.0] * r_pad,
-                rows.top_k + [0] * r_pad, rows.greedy + [True] * r_pad, drafts + [0] * m_pad,
-                [c for row in layout for c in row], list(u_acc), list(u_res)]
+        return _padded_params(rows, r_pad) + [drafts + [0] * m_pad, [c for row in layout for c in row],
+                                              list(u_acc), list(u_res)]
 
     @torch.inference_mode()
     def _statics(self, b: int) -> _VerifierGraph:
