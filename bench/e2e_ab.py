@@ -2,7 +2,7 @@
 call, and a table of per-row medians with B / A ratios, since a single pass on these hosts moves
 by more than most changes do.
 
-    python3 bench/e2e_ab.py --passes 3 --b-args=--draft-args=--sampled-chains -- \\
+    python3 bench/e2e_ab.py --passes 3 --b-args=--draft-args=--no-sampled-chains -- \\
         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100
     python3 bench/e2e_ab.py --passes 3 --b-env SPECDEC_DRAFT_DEVICE_SPARSE=0 -- --sections 7b ...
 

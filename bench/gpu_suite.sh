@@ -4,7 +4,7 @@
 # the device returns a bounded number of files.
 #   bash bench/gpu_suite.sh STAGE...
 # Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-ab (E2E_AB_ARGS:
-#         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--sampled-chains --
+#         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz), serving, attention, decode, cost, gemv, anatomy. Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~200 s

@@ -194,7 +194,7 @@ class EngineConfig:
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     cuda_graphs: bool = True          # on cuda: capture decode/verify graphs at start-up
     sampler_graphs: bool = True       # with cuda_graphs, sampling and rejection on graphs (sampling/graphs.py)
-    sampled_chains: bool = False      # with sampler_graphs, the draft chains sampled positions (opt-in until timed)
+    sampled_chains: bool = True       # with sampler_graphs, the draft chains sampled positions (cuda_graphs.py)
     gemv_kernels: bool | None = None  # Triton GEMV for linears of <= 16-token steps; None: on cuda
     pdl: bool | None = None           # programmatic dependent launch (kernels/pdl.py, process-wide);
                                       # None: leave the process default (on for Hopper+, SPECDEC_PDL=0 off)

@@ -147,9 +147,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                    help="sample op by op on cuda (default: on CUDA graphs: the draft's sampling one "
                         "replay per drafted position, the target's rejection step one per verify; "
                         "sampling/graphs.py)")
-    p.add_argument("--sampled-chains", action="store_true",
-                   help="draft: the positions after a sampled step's first as one chain of graph "
-                        "replays, as greedy steps run (opt-in until timed on the GPU; cuda_graphs.py)")
+    p.add_argument("--no-sampled-chains", dest="sampled_chains", action="store_false",
+                   help="draft: sample position by position, one sampler replay each (default: a "
+                        "sampled step's positions run as one chain of graph replays, as greedy steps "
+                        "do; cuda_graphs.py)")
     p.add_argument("--no-gemv-kernels", dest="gemv_kernels", action="store_const", const=False,
                    default=None, help="cuBLAS for every linear layer on cuda (default: the Triton GEMV "
                                       "for steps of <= 16 tokens, cuBLAS above)")

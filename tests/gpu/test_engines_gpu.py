@@ -108,12 +108,15 @@ def test_sampled_drafts_on_sampler_graphs_equal_eager_sampling(tmp_path, dtype):
     """The draft's sampler graphs (sampling/graphs.py) against the same engine sampling op by op:
     sampled and greedy rows mixed, top-k / top-p / min-p, ragged num_draft, an extension (its first
     token a guess) and a batch above the largest bucket (eager fallback): the same tokens and the
-    same transport-dtype distributions, bit for bit; the graphs served the positions that fit."""
+    same transport-dtype distributions, bit for bit; the graphs served the positions that fit.
+    Sampled chains are off here, so every position is one sampler replay (chains against this
+    position-by-position path: test_sampled_chains_draft_what_position_by_position_sampling_drafts)."""
     from specdec.sampling.params import SamplingParams
     _, draft_path = make_pair(tmp_path)
     engines = [DraftEngine(EngineConfig(model=draft_path, device="cuda", dtype=dtype, num_blocks=256,
                                         block_size=16, warmup_batch_sizes=(1,), graph_batch_sizes=(1, 2, 4),
-                                        max_num_draft=8, sampler_graphs=on)) for on in (False, True)]
+                                        max_num_draft=8, sampler_graphs=on, sampled_chains=False))
+               for on in (False, True)]
     assert engines[0].sampler is None and engines[1].sampler is not None
     rows = [SamplingParams(temperature=0.9, top_k=20, seed=7), SamplingParams(temperature=1.1, seed=8),
             SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=9)]

@@ -25,8 +25,8 @@ def test_flags_reach_the_engine_config():
     assert e.pdl is None and config_from_args("target", ["--model", "m", "--no-pdl"])[0].engine.pdl is False
     assert config_from_args("target", ["--model", "m", "--random-weights"])[0].engine.random_weights
     assert e.graph_prefill_lens is None  # the engine's default
-    assert e.sampler_graphs and not e.sampled_chains
-    assert config_from_args("draft", ["--model", "m", "--sampled-chains"])[0].engine.sampled_chains
+    assert e.sampler_graphs and e.sampled_chains
+    assert not config_from_args("draft", ["--model", "m", "--no-sampled-chains"])[0].engine.sampled_chains
     prefill = ["--model", "m", "--graph-prefill-lens"]
     assert config_from_args("target", prefill + ["32,128"])[0].engine.graph_prefill_lens == (32, 128)
     assert config_from_args("target", prefill + ["none"])[0].engine.graph_prefill_lens == ()

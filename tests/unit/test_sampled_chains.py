@@ -26,7 +26,7 @@ def _engines(tmp_path, dtype=torch.float16) -> tuple[DraftEngine, DraftEngine]:
     chains (so both forward on the same graph buckets: their logits are the same bits)."""
     _, draft_path = make_pair(tmp_path)
     config = EngineConfig(model=draft_path, num_blocks=96, block_size=4, warmup_batch_sizes=(1,),
-                          max_num_draft=6, probs_dtype=dtype, sampled_chains=True)
+                          max_num_draft=6, probs_dtype=dtype)     # sampled chains: the default
     plain, chained = DraftEngine(config), DraftEngine(config)
     for engine in (plain, chained):
         engine.runner.backend = TritonAttention()   # the GPU's attention (graph-safe)
@@ -91,9 +91,10 @@ def test_sampled_chains_draft_what_the_plain_engine_drafts(tmp_path, dtype):
     assert chains == [(3, 1), (4, 1), (2, 1), (5, 5), (3, 1), (2, 1), (6, 0)]
 
 
-def test_without_the_flag_no_sampled_chain_is_captured_or_run(tmp_path):
+def test_with_the_flag_off_no_sampled_chain_is_captured_or_run(tmp_path):
     _, draft_path = make_pair(tmp_path)
-    config = EngineConfig(model=draft_path, num_blocks=64, block_size=4, warmup_batch_sizes=(1,), max_num_draft=4)
+    config = EngineConfig(model=draft_path, num_blocks=64, block_size=4, warmup_batch_sizes=(1,), max_num_draft=4,
+                          sampled_chains=False)
     engine = DraftEngine(config)
     engine.runner.graphs = CpuGraphs(engine.runner, max_model_len=64, query_lens=(1, 2), batch_sizes=SIZES,
                                      chains=True)
