@@ -46,6 +46,19 @@ def set_page_ahead(enabled: bool) -> None:
     PAGE_AHEAD = bool(enabled)
 
 
+# Grid order. Heads first: CUDA starts blocks in x order, so the programs running at one time are
+# the KV heads of a few sequences, whose key rows for one position are adjacent in a page (a page
+# is [block_size, Hkv, D]: one head's row is D elements, the position's rows of all heads are
+# contiguous). Sequences first: they are one head of many sequences, 256 B reads Hkv x D apart.
+# SPECDEC_ATTN_HEADS_FIRST=0 or set_heads_first(False): sequences first (read at launch).
+HEADS_FIRST = os.environ.get("SPECDEC_ATTN_HEADS_FIRST", "1") != "0"
+
+
+def set_heads_first(enabled: bool) -> None:
+    global HEADS_FIRST
+    HEADS_FIRST = bool(enabled)
+
+
 @triton.jit
 def _tile_pages(bt_row, start, kv_len, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The KV page of each key of the tile at `start` (0 past kv_len)."""
@@ -124,10 +137,16 @@ def _paged_attention_kernel(
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, HEADS_FIRST: tl.constexpr):
     pdl.enter(USE_PDL)
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     qtile = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
 
@@ -200,7 +219,7 @@ def _paged_attention_kernel(
             # then the barrier order all its threads' partial loads after every other release.
             tl.debug_barrier()
             n_qtiles = tl.num_programs(2) // num_splits
-            counter = Counters + (seq * tl.num_programs(1) + kvh) * n_qtiles + qtile
+            counter = Counters + (seq * num_kv_heads + kvh) * n_qtiles + qtile
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 tl.debug_barrier()
@@ -458,7 +477,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         counters = part
     launch = pdl.options(device)
-    _paged_attention_kernel[(b, hkv, n_qtiles * num_splits)](
+    heads_first = HEADS_FIRST and b <= 65535      # CUDA's grid y and z stop at 65535
+    grid = (hkv, b) if heads_first else (b, hkv)
+    _paged_attention_kernel[grid + (n_qtiles * num_splits,)](
         q, k_cache, v_cache, out, part, counters, block_tables, context_lens, query_start_loc,
         scale * LOG2E, h, num_splits, lse_offset,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -466,7 +487,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast,
-        PAGE_AHEAD=PAGE_AHEAD and block_n <= PAGE_AHEAD_MAX_BLOCK_N, num_warps=warps,
+        PAGE_AHEAD=PAGE_AHEAD and block_n <= PAGE_AHEAD_MAX_BLOCK_N, HEADS_FIRST=heads_first,
+        num_warps=warps,
         num_stages=stages, **launch)
     if split and not inline:
         _merge_splits_kernel[(t, h)](

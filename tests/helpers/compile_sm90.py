@@ -40,11 +40,13 @@ def variants():
     attn_types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Part": "*fp32",
                   "Counters": "*i32", "BlockTables": "*i32", "ContextLens": "*i32",
                   "QueryStart": "*i32", "scale_log2": "fp32"}
-    for ahead, (bm, bn, g), (split, inline) in itertools.product(
-            [False, True], [(16, 64, 1), (16, 128, 1), (4, 64, 4)], [(False, False), (True, True)]):
+    for ahead, (bm, bn, g), (split, inline), heads_first in itertools.product(
+            [False, True], [(16, 64, 1), (16, 128, 1), (4, 64, 4)], [(False, False), (True, True)],
+            [True, False]):
         c = dict(G=g, QT=max(1, bm // g), PAGE=16, HEAD_DIM=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn,
-                 SPLIT=split, INLINE_MERGE=inline, UPCAST=False, USE_PDL=True, PAGE_AHEAD=ahead)
-        yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead}",
+                 SPLIT=split, INLINE_MERGE=inline, UPCAST=False, USE_PDL=True, PAGE_AHEAD=ahead,
+                 HEADS_FIRST=heads_first)
+        yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead} heads_first={heads_first}",
                triton_attention._paged_attention_kernel, attn_types, c, 4, 3)
     for mode, out, step in [(sampling.MODE_FP16, "*fp16", True), (sampling.MODE_BF16, "*bf16", False),
                             (sampling.MODE_PROBS, "*fp32", False)]:

@@ -38,15 +38,18 @@ CASES = {
     "mqa_page_gt_tile": ([16, 3], [70, 3], 8, 1, 16, 32, {"BLOCK_N": 16, "BLOCK_M": 16}, 4),
     "more_splits_than_tiles": ([4, 1], [20, 5], 4, 2, 16, 16, {"BLOCK_N": 16}, 5),
     "wide_key_tiles": ([1, 4], [150, 260], 4, 1, 16, 16, {"BLOCK_N": 128}, 2),
+    "more_kv_heads_than_seqs": ([3, 1], [40, 19], 8, 4, 16, 8, {"BLOCK_N": 16}, 3),
 }
 
 
+@pytest.mark.parametrize("heads_first", [True, False])
 @pytest.mark.parametrize("page_ahead", [True, False])
 @pytest.mark.parametrize("name", list(CASES))
-def test_named_cases_match_reference(name, page_ahead, monkeypatch):
+def test_named_cases_match_reference(name, page_ahead, heads_first, monkeypatch):
     # Both ways of reading the page table: each tile's pages one tile ahead (the default), or in
-    # the tile's own iteration.
+    # the tile's own iteration; and both grid orders (KV heads or sequences on the grid's x).
     monkeypatch.setattr(triton_attention, "PAGE_AHEAD", page_ahead)
+    monkeypatch.setattr(triton_attention, "HEADS_FIRST", heads_first)
     qls, ctxs, h, hkv, d, bs, cfg, splits = CASES[name]
     batch = random_paged_batch(qls, ctxs, h, hkv, d, bs, torch.float32, "cpu", seed=1)
     out, ref = run_both(batch, splits, cfg)
@@ -68,12 +71,16 @@ def test_random_ragged_shapes(seed):
     assert rel_error(out, ref) < 1e-5, (qls, ctxs, hkv, group, d, bs, cfg, splits)
 
 
+@pytest.mark.parametrize("heads_first", [True, False])
 @pytest.mark.parametrize("splits", [2, 3, 7])
 @pytest.mark.parametrize("name", ["ragged_gqa_unaligned", "group3_dpad_splits", "mqa_page_gt_tile",
-                                  "more_splits_than_tiles"])
-def test_inline_merge_matches_reference_and_resets_counters(name, splits):
+                                  "more_splits_than_tiles", "more_kv_heads_than_seqs"])
+def test_inline_merge_matches_reference_and_resets_counters(name, splits, heads_first, monkeypatch):
     # mqa_page_gt_tile has 8 query tiles per sequence (some dead: 3 tokens), more_splits_than_tiles
-    # has splits without keys; two calls in a row check that the counters come back to zero.
+    # has splits without keys; two calls in a row check that the counters come back to zero. Both
+    # grid orders. The interpreter runs programs one after another, so two tiles sharing a counter
+    # would go unseen here (the GPU tests run the default order with more KV heads than sequences).
+    monkeypatch.setattr(triton_attention, "HEADS_FIRST", heads_first)
     qls, ctxs, h, hkv, d, bs, cfg, _ = CASES[name]
     batch = random_paged_batch(qls, ctxs, h, hkv, d, bs, torch.float32, "cpu", seed=2)
     separate, ref = run_both(batch, splits, cfg)
