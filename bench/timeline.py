@@ -1,0 +1,168 @@
+"""Where a graphed decode forward's device time goes, kernel by kernel: one CUDA-graph replay of the
+(b, 1) bucket traced by torch.profiler (CUPTI), for each model shape.
+
+    python3 bench/timeline.py [--shapes llama-7b llama-160m tinyllama-1.1b] [--batches 1] [--replays 7]
+
+With programmatic dependent launch a kernel starts while its predecessor still runs (it waits in
+griddepcontrol.wait), so a kernel's own duration overlaps the one before it. This charges each
+kernel its marginal time instead: how much later the forward's last finished kernel ends once it
+has ended (end_i - max(end_<i)), which sums to the replay's span. Kernels are grouped by their
+place in a layer (the pattern of kernel names repeats once per layer), the GEMVs named by their
+projection, with each GEMV's weight-read floor (bytes / copy bandwidth measured in the run) beside
+it. Medians over --replays traced replays. Writes bench/results/timeline.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import SHAPES, copy_bandwidth, environment, model_config, table, write_result
+
+import torch  # noqa: E402
+
+from specdec.config import CacheConfig  # noqa: E402
+from specdec.models.loader import build_model, init_random  # noqa: E402
+from specdec.runner import ModelRunner, SeqInput  # noqa: E402
+
+CONTEXT = 128
+BLOCK = 16
+
+
+def trace_replay(replay) -> list[dict]:
+    """The kernels of one replay, in start order: name, start and end in us (trace clock)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"]
+              if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    path.unlink()
+    events.sort(key=lambda e: e["ts"])
+    return [{"name": e["name"], "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"]),
+             "dur": float(e["dur"])} for e in events]
+
+
+def marginals(kernels: list[dict]) -> list[float]:
+    out, last = [], kernels[0]["start"]
+    for k in kernels:
+        out.append(max(k["end"] - last, 0.0))
+        last = max(last, k["end"])
+    return out
+
+
+def short(name: str) -> str:
+    for key in ("gemv", "attention", "merge", "rmsnorm", "rope", "silu", "embedding", "copy", "gemm",
+                "nvjet", "elementwise", "index", "cat", "sampl"):
+        if key in name.lower():
+            return key
+    return name[:40]
+
+
+def label(kernels: list[dict], num_layers: int) -> list[str]:
+    """Each kernel's role: pre (before the first layer), L<i> (its kind and, for GEMVs, the
+    projection by order in the layer), post. The layer pattern is found from the add+RMSNorm kernel
+    that opens each layer (two per layer: before attention and before the MLP)."""
+    kinds = [short(k["name"]) for k in kernels]
+    norms = [i for i, k in enumerate(kinds) if k == "rmsnorm"]
+    if len(norms) < 2 * num_layers:
+        return kinds
+    starts = norms[0:2 * num_layers:2] + [norms[2 * num_layers] if len(norms) > 2 * num_layers else len(kinds)]
+    labels = list(kinds)
+    for i in range(starts[0]):
+        labels[i] = "pre " + kinds[i]
+    proj = ("qkv", "o", "gate_up", "down")
+    for layer in range(num_layers):
+        g = 0
+        for i in range(starts[layer], starts[layer + 1]):
+            if kinds[i] in ("gemv", "gemm", "nvjet"):
+                labels[i] = f"gemv {proj[g] if g < len(proj) else g}"
+                g += 1
+            elif kinds[i] == "rmsnorm":
+                labels[i] = "rmsnorm " + ("attn" if i == starts[layer] else "mlp")
+    for i in range(starts[-1], len(kinds)):
+        labels[i] = "post " + kinds[i]
+    return labels
+
+
+def weight_bytes(shape: str) -> dict[str, int]:
+    s = SHAPES[shape]
+    h, inter = s["hidden_size"], s["intermediate_size"]
+    d = h // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * d
+    return {"gemv qkv": 2 * h * (h + 2 * kv), "gemv o": 2 * h * h, "gemv gate_up": 2 * h * 2 * inter,
+            "gemv down": 2 * inter * h, "post gemv": 2 * h * s["vocab_size"]}
+
+
+def measure(shape: str, b: int, replays: int, bw: float) -> dict:
+    cfg = model_config(shape)
+    model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
+    blocks = -(-(CONTEXT + 8) // BLOCK)
+    runner = ModelRunner(model, CacheConfig(b * blocks + 1, BLOCK, torch.bfloat16))
+    runner.enable_cuda_graphs(max_model_len=CONTEXT + 64, query_lens=(1,), batch_sizes=(b,))
+    for s in range(b):
+        runner.add_sequence(s)
+    runner.step([SeqInput(s, list(range(1, CONTEXT))) for s in range(b)])
+    runner.prepare([SeqInput(s, [7]) for s in range(b)])
+    graph = runner.graphs.graphs[(b, 1)].graph
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    traces = [trace_replay(graph.replay) for _ in range(replays)]
+    n = min(len(t) for t in traces)
+    traces = [t[:n] for t in traces]
+    labels = label(traces[0], cfg.num_layers)
+    spans = [t[-1]["end"] - t[0]["start"] for t in traces]
+    per_kernel = [statistics.median(m[i] for m in map(marginals, traces)) for i in range(n)]
+    own = [statistics.median(t[i]["dur"] for t in traces) for i in range(n)]
+    groups = collections.OrderedDict()
+    for lab, m, d in zip(labels, per_kernel, own):
+        g = groups.setdefault(lab, {"role": lab, "count": 0, "marginal_us": 0.0, "own_us": 0.0})
+        g["count"] += 1
+        g["marginal_us"] += m
+        g["own_us"] += d
+    floors = weight_bytes(shape)
+    span = statistics.median(spans)
+    for g in groups.values():
+        g["marginal_us_each"] = g["marginal_us"] / g["count"]
+        g["share"] = g["marginal_us"] / span
+        if g["role"] in floors:
+            g["floor_us_each"] = floors[g["role"]] / bw * 1e6
+            g["frac_of_floor"] = g["floor_us_each"] / g["marginal_us_each"]
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del runner, model
+    torch.cuda.empty_cache()
+    return {"shape": shape, "batch": b, "context": CONTEXT, "kernels": n, "span_us": span,
+            "weight_floor_us": total_bytes / bw * 1e6, "groups": list(groups.values())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["llama-7b", "llama-160m", "tinyllama-1.1b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--replays", type=int, default=7)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    results = []
+    for shape in args.shapes:
+        for b in args.batches:
+            r = measure(shape, b, args.replays, bw)
+            results.append(r)
+            print(f"\n{shape} b {b}: {r['kernels']} kernels, replay span {r['span_us']:.1f} us, "
+                  f"weight floor {r['weight_floor_us']:.1f} us ({r['weight_floor_us'] / r['span_us']:.0%})")
+            print(table(r["groups"], [("role", "kernel", ""), ("count", "n", ""),
+                                      ("marginal_us", "marginal us", ".1f"), ("share", "share", ".1%"),
+                                      ("marginal_us_each", "each us", ".2f"), ("own_us", "own us", ".1f"),
+                                      ("floor_us_each", "floor each", ".2f"),
+                                      ("frac_of_floor", "of floor", ".2f")]))
+    write_result("timeline", {"benchmark": "timeline", "environment": environment(),
+                              "copy_bandwidth_GBps": bw / 1e9, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
