@@ -61,8 +61,10 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, num_heads
                        stride_ct, stride_st, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kvh, stride_vb, stride_vs, stride_vvh,
                        PAGE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                       HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.enter(USE_PDL)
+                       HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+                       EARLY_LOADS: tl.constexpr):
+    if not EARLY_LOADS:
+        pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_ok = offs_d < HALF
@@ -72,6 +74,9 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, num_heads
     s = tl.load(Sin + t * stride_st + offs_d, mask=d_ok, other=0.0)
     c = c.to(Q.dtype.element_ty).to(tl.float32)[None, :]
     s = s.to(Q.dtype.element_ty).to(tl.float32)[None, :]
+    slot = tl.load(Slots + t)
+    if EARLY_LOADS:  # cos / sin and slots are never the qkv projection's output (pdl.EARLY_LOADS)
+        pdl.enter(USE_PDL)
 
     hq = tl.arange(0, HQ_PAD)
     q_mask = (hq[:, None] < num_heads) & d_ok[None, :]
@@ -83,7 +88,6 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, num_heads
     tl.store(o_ptr, o1, mask=q_mask)
     tl.store(o_ptr + HALF, o2, mask=q_mask)
 
-    slot = tl.load(Slots + t)
     if slot >= 0:  # negative: a CUDA-graph padding token, which owns no KV slot
         hk = tl.arange(0, HK_PAD)
         k_mask = (hk[:, None] < num_kv_heads) & d_ok[None, :]
@@ -178,7 +182,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=k_cache.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half), HQ_PAD=hq_pad,
         HK_PAD=triton.next_power_of_2(hkv), num_warps=_row_warps(hq_pad * triton.next_power_of_2(half)),
-        **pdl.options(q.device))
+        EARLY_LOADS=pdl.EARLY_LOADS, **pdl.options(q.device))
     return q_out
 
 

@@ -29,6 +29,23 @@ import triton.language as tl
 
 _enabled: bool = os.environ.get("SPECDEC_PDL", "1") != "0"
 
+# The one exception to "enter first": a kernel may load, before enter(), what the kernel launched
+# just before it never writes. When a kernel starts, every kernel launched before its predecessor
+# has finished: the predecessor reached launch_dependents only after its own wait, which returned
+# when the kernel before it had finished (a kernel without PDL lets the next one start only when it
+# ends). So inputs staged by the host or written two or more launches back are ready at the start.
+# The attention kernel loads its query starts, context lengths and first page indices this way
+# (its predecessor is RoPE + KV store, which writes q and the new K/V only), RoPE + KV store its
+# cos / sin rows and slots (its predecessor is the qkv projection). Stores always follow enter().
+# Read at launch (graphs keep what they captured); SPECDEC_PDL_EARLY=0 or set_early_loads(False)
+# puts every load after enter().
+EARLY_LOADS: bool = os.environ.get("SPECDEC_PDL_EARLY", "1") != "0"
+
+
+def set_early_loads(enabled: bool) -> None:
+    global EARLY_LOADS
+    EARLY_LOADS = bool(enabled)
+
 
 @triton.jit
 def enter(USE_PDL: tl.constexpr):

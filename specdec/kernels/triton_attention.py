@@ -137,8 +137,9 @@ def _paged_attention_kernel(
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    pdl.enter(USE_PDL)
+        PAGE_AHEAD: tl.constexpr, HEADS_FIRST: tl.constexpr, EARLY_LOADS: tl.constexpr):
+    if not EARLY_LOADS:
+        pdl.enter(USE_PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
         seq = tl.program_id(1)
@@ -152,10 +153,8 @@ def _paged_attention_kernel(
 
     q_start = tl.load(QueryStart + seq)
     q_len = tl.load(QueryStart + seq + 1) - q_start
-    t0 = qtile * QT
-    if t0 >= q_len:  # the grid is sized by the longest query; shorter ones stop here
-        return
     ctx = tl.load(ContextLens + seq)
+    t0 = qtile * QT
     first_pos = ctx - q_len                  # position of the sequence's first new token
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -166,13 +165,6 @@ def _paged_attention_kernel(
     kv_len = first_pos + tl.minimum(t0 + QT, q_len)   # keys the tile's last token sees
     pos = tl.minimum(first_pos + tok, kv_len - 1)     # padded rows clamp: no key past kv_len
 
-    q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if UPCAST or BLOCK_M < 16:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(K.dtype.element_ty)
-
     # This split's keys: whole BLOCK_N tiles, an even share of the tile's kv_len.
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     per_split = tl.cdiv(n_tiles, num_splits)
@@ -180,16 +172,29 @@ def _paged_attention_kernel(
     hi = tl.minimum(lo + per_split * BLOCK_N, kv_len)
     # Keys < first_pos + t0 + 1 are visible to every row: no mask there.
     unmasked_end = tl.minimum(tl.maximum((first_pos + t0 + 1) // BLOCK_N * BLOCK_N, lo), hi)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    # PAGE_AHEAD: each tile's page indices are loaded one tile earlier, so a tile's K/V addresses
+    # never wait on a page-table read of the same iteration (both loops continue one chain).
+    ahead = _tile_pages(bt_row, lo, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
+    if EARLY_LOADS:
+        # Query starts, context lengths and page tables are never written by the kernel launched
+        # just before this one (pdl.py: EARLY_LOADS), so they load while it still runs.
+        pdl.enter(USE_PDL)
+    if t0 >= q_len:  # the grid is sized by the longest query; shorter ones stop here
+        return
+
+    q_ptrs = Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST or BLOCK_M < 16:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     kv_off_k = kvh * stride_kh
     kv_off_v = kvh * stride_vh
-    # PAGE_AHEAD: each tile's page indices are loaded one tile earlier, so a tile's K/V addresses
-    # never wait on a page-table read of the same iteration (both loops continue one chain).
-    ahead = _tile_pages(bt_row, lo, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
     for start in range(lo, unmasked_end, BLOCK_N):
         nxt = _tile_pages(bt_row, start + BLOCK_N, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
@@ -488,7 +493,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast,
         PAGE_AHEAD=PAGE_AHEAD and block_n <= PAGE_AHEAD_MAX_BLOCK_N, HEADS_FIRST=heads_first,
-        num_warps=warps,
+        EARLY_LOADS=pdl.EARLY_LOADS, num_warps=warps,
         num_stages=stages, **launch)
     if split and not inline:
         _merge_splits_kernel[(t, h)](

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from specdec.kernels import gemv, sampling, triton_attention  # noqa: E402
+from specdec.kernels import fused, gemv, sampling, triton_attention  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -40,14 +40,19 @@ def variants():
     attn_types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Part": "*fp32",
                   "Counters": "*i32", "BlockTables": "*i32", "ContextLens": "*i32",
                   "QueryStart": "*i32", "scale_log2": "fp32"}
-    for ahead, (bm, bn, g), (split, inline), heads_first in itertools.product(
+    for ahead, (bm, bn, g), (split, inline), order in itertools.product(
             [False, True], [(16, 64, 1), (16, 128, 1), (4, 64, 4)], [(False, False), (True, True)],
-            [True, False]):
+            [(True, True), (False, False)]):
         c = dict(G=g, QT=max(1, bm // g), PAGE=16, HEAD_DIM=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn,
                  SPLIT=split, INLINE_MERGE=inline, UPCAST=False, USE_PDL=True, PAGE_AHEAD=ahead,
-                 HEADS_FIRST=heads_first)
-        yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead} heads_first={heads_first}",
+                 HEADS_FIRST=order[0], EARLY_LOADS=order[1])
+        yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead} heads_first/early={order}",
                triton_attention._paged_attention_kernel, attn_types, c, 4, 3)
+    rope_types = {n: "*bf16" for n in ("Q", "K", "V", "Cos", "Sin", "QOut", "KCache", "VCache")}
+    rope_types["Slots"] = "*i64"
+    for early in (True, False):
+        c = dict(PAGE=16, HALF=64, HALF_PAD=64, HQ_PAD=32, HK_PAD=8, USE_PDL=True, EARLY_LOADS=early)
+        yield f"rope_store early={early}", fused._rope_store_kernel, rope_types, c, 4, 1
     for mode, out, step in [(sampling.MODE_FP16, "*fp16", True), (sampling.MODE_BF16, "*bf16", False),
                             (sampling.MODE_PROBS, "*fp32", False)]:
         types = {"Logits": "*fp32", "Temp": "*fp32", "TopK": "*i64", "TopP": "*fp32", "MinP": "*fp32",
