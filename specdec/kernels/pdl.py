@@ -32,8 +32,11 @@ _enabled: bool = os.environ.get("SPECDEC_PDL", "1") != "0"
 # The one exception to "enter first": a kernel may load, before enter(), what the kernel launched
 # just before it never writes. When a kernel starts, every kernel launched before its predecessor
 # has finished: the predecessor reached launch_dependents only after its own wait, which returned
-# when the kernel before it had finished (a kernel without PDL lets the next one start only when it
-# ends). So inputs staged by the host or written two or more launches back are ready at the start.
+# when the kernel before it had finished. So inputs staged by the host or written two or more
+# launches back are ready at the start. (This leans on a finished kernel's writes being visible
+# to later kernels, which PTX spells out only for the immediate predecessor after the wait; and on
+# no kernel here reaching launch_dependents before its wait. The immediate predecessor's writes,
+# with or without PDL, are only safe to read after enter().)
 # The attention kernel loads its query starts, context lengths and first page indices this way
 # (its predecessor is RoPE + KV store, which writes q and the new K/V only), RoPE + KV store its
 # cos / sin rows and slots (its predecessor is the qkv projection). Stores always follow enter().

@@ -124,6 +124,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend, ops) -> torch.Tensor:
         t = x.shape[0]
+        # Keep qkv -> rope_store -> attend back to back: under PDL the RoPE kernel loads cos / sin /
+        # slots and the attention kernel its lengths and page table before waiting for the kernel
+        # before them (kernels/pdl.py, EARLY_LOADS), so nothing launched in between may write them.
         qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = ops.rope_store(q.view(t, self.num_heads, self.head_dim),

@@ -218,3 +218,27 @@ def test_page_ahead_on_core_products_inline_merge_and_head_dim_64(page_ahead, cf
     batch = random_paged_batch([1, 3, 1], [70, 41, 129], 4, 2, 64, 8, torch.float32, "cpu", seed=3)
     out, ref = run_both(batch, splits, cfg, merge=merge)
     assert rel_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_padding_sequences_and_dead_tiles_with_early_loads(early, heads_first, splits, monkeypatch):
+    # CUDA-graph padding: sequences with no query tokens (context 0, or a context whose pages are
+    # all page 0) after real ones, 4-row tiles so that shorter queries leave dead tiles. With early
+    # loads (pdl.EARLY_LOADS) every program computes its key range and loads its first page indices
+    # before the wait and returns afterwards; the real rows must still match the reference.
+    from specdec.kernels import pdl
+    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+    monkeypatch.setattr(triton_attention, "HEADS_FIRST", heads_first)
+    qls, ctxs = [5, 1, 3], [20, 9, 40]
+    batch = random_paged_batch(qls, ctxs, 4, 2, 16, 8, torch.float32, "cpu", seed=1)
+    t = sum(qls)
+    starts = torch.cat([batch.query_start_loc, torch.tensor([t, t], dtype=torch.int32)])
+    ctx = torch.cat([batch.context_lens, torch.tensor([17, 0], dtype=torch.int32)])
+    tables = torch.zeros(5, max(batch.block_tables.shape[1], 3), dtype=torch.int32)
+    tables[:3, :batch.block_tables.shape[1]] = batch.block_tables
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(batch.q, batch.k_cache, batch.v_cache, tables, ctx, starts, 5, SCALE,
+                    max_context_len=40, num_splits=splits, out=out, config={"BLOCK_N": 16, "BLOCK_M": 4})
+    assert rel_error(out, reference_f64(batch, SCALE)) < 1e-5
