@@ -1,0 +1,53 @@
+"""bench/timeline.py's bookkeeping: marginal times of overlapping (PDL) kernels sum to the span,
+and kernels are labelled by their place in a layer."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # the benchmarks are scripts: `common` is top-level
+
+from timeline import label, marginals, weight_bytes  # noqa: E402
+
+LAYER = ["_add_rmsnorm_kernel", "_gemv_kernel", "_rope_store_kernel", "_paged_attention_kernel",
+         "_merge_splits_kernel", "_gemv_kernel", "_add_rmsnorm_kernel", "_gemv_kernel",
+         "_silu_mul_kernel", "_gemv_kernel"]
+
+
+def _kernels(names, starts, durs):
+    return [{"name": n, "start": float(s), "end": float(s + d), "dur": float(d)}
+            for n, s, d in zip(names, starts, durs)]
+
+
+def test_marginals_charge_overlap_once_and_sum_to_the_span():
+    # b starts inside a (PDL) and ends after it; c ends before b does; d starts after a gap
+    ks = _kernels("abcd", [0, 2, 3, 12], [5, 6, 2, 1])
+    m = marginals(ks)
+    assert m == [5.0, 3.0, 0.0, 5.0]           # d: the gap 8 -> 12 and its own 1 us
+    assert sum(m) == pytest.approx(ks[-1]["end"] - ks[0]["start"])
+
+
+def test_labels_name_projections_by_order_in_each_layer():
+    names = ["indexSelectKernel", "elementwise_kernel"] + LAYER * 2 + ["_add_rmsnorm_kernel", "_gemv_kernel",
+                                                                       "copy_kernel"]
+    labels = label(_kernels(names, range(len(names)), [1] * len(names)), num_layers=2)
+    assert labels[:2] == ["pre index", "pre elementwise"]
+    layer = labels[2:2 + len(LAYER)]
+    assert layer == ["rmsnorm attn", "gemv qkv", "rope", "attention", "merge", "gemv o", "rmsnorm mlp",
+                     "gemv gate_up", "silu", "gemv down"]
+    assert labels[2 + len(LAYER):2 + 2 * len(LAYER)] == layer
+    assert labels[-3:] == ["post rmsnorm", "post gemv", "post copy"]
+
+
+def test_labels_fall_back_to_kinds_when_the_layer_pattern_is_not_found():
+    names = ["_gemv_kernel", "_add_rmsnorm_kernel", "_gemv_kernel"]
+    assert label(_kernels(names, range(3), [1] * 3), num_layers=2) == ["gemv", "rmsnorm", "gemv"]
+
+
+def test_weight_bytes_of_the_7b_projections():
+    w = weight_bytes("llama-7b")
+    assert w["gemv qkv"] == 2 * 4096 * 3 * 4096 and w["gemv gate_up"] == 2 * 4096 * 2 * 11008
+    assert w["gemv down"] == w["gemv gate_up"] // 2 and w["post gemv"] == 2 * 4096 * 32000
