@@ -37,6 +37,7 @@ SHAPES = {
 KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True),
     "silu_gemv": dict(fused=True, gemv=True, pdl=True, silu=True),  # SiLU * up in the gate_up GEMV
+    "norm_gemv": dict(fused=True, gemv=True, pdl=True, norm=True),  # add + RMSNorm folded into the GEMVs
     "no_pdl": dict(fused=True, gemv=True, pdl=False),      # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -52,6 +53,7 @@ def kernel_set(model, name: str):
     model.set_fused_kernels(chosen["fused"])
     model.set_gemv_kernels(chosen["gemv"])
     model.set_gemv_silu(chosen.get("silu", False))
+    model.set_gemv_norm(chosen.get("norm", False))
     with pdl.forced(chosen["pdl"]):
         yield
 

@@ -2,6 +2,7 @@
 (b, 1) bucket traced by torch.profiler (CUPTI), for each model shape.
 
     python3 bench/timeline.py [--shapes llama-7b llama-160m tinyllama-1.1b] [--batches 1] [--replays 7]
+                              [--kernel-sets default norm_gemv]
 
 With programmatic dependent launch a kernel starts while its predecessor still runs (it waits in
 griddepcontrol.wait), so a kernel's own duration overlaps the one before it. This charges each
@@ -9,7 +10,9 @@ kernel its marginal time instead: how much later the forward's last finished ker
 has ended (end_i - max(end_<i)), which sums to the replay's span. Kernels are grouped by their
 place in a layer (the pattern of kernel names repeats once per layer), the GEMVs named by their
 projection, with each GEMV's weight-read floor (bytes / copy bandwidth measured in the run) beside
-it. Medians over --replays traced replays. Writes bench/results/timeline.json.
+it. Medians over --replays traced replays. --kernel-sets traces each of bench/common.KERNEL_SETS on
+the same weights (with add + RMSNorm folded into the GEMVs there are no norm kernels to find the
+layers by, so kernels are grouped by kind only). Writes bench/results/timeline.json.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import SHAPES, copy_bandwidth, environment, model_config, table, write_result
+from common import KERNEL_SETS, SHAPES, copy_bandwidth, environment, kernel_set, model_config, table, write_result
 
 import torch  # noqa: E402
 
@@ -98,9 +101,20 @@ def weight_bytes(shape: str) -> dict[str, int]:
             "gemv down": 2 * inter * h, "post gemv": 2 * h * s["vocab_size"]}
 
 
-def measure(shape: str, b: int, replays: int, bw: float) -> dict:
+def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",)) -> list[dict]:
+    """One result per kernel set, all on the same weights."""
     cfg = model_config(shape)
     model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
+    results = []
+    for kset in ksets:
+        with kernel_set(model, kset):
+            results.append({**_measure(model, cfg, shape, b, replays, bw), "kernel_set": kset})
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+def _measure(model, cfg, shape: str, b: int, replays: int, bw: float) -> dict:
     blocks = -(-(CONTEXT + 8) // BLOCK)
     runner = ModelRunner(model, CacheConfig(b * blocks + 1, BLOCK, torch.bfloat16))
     runner.enable_cuda_graphs(max_model_len=CONTEXT + 64, query_lens=(1,), batch_sizes=(b,))
@@ -134,10 +148,19 @@ def measure(shape: str, b: int, replays: int, bw: float) -> dict:
             g["floor_us_each"] = floors[g["role"]] / bw * 1e6
             g["frac_of_floor"] = g["floor_us_each"] / g["marginal_us_each"]
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    del runner, model
-    torch.cuda.empty_cache()
+    del runner
     return {"shape": shape, "batch": b, "context": CONTEXT, "kernels": n, "span_us": span,
             "weight_floor_us": total_bytes / bw * 1e6, "groups": list(groups.values())}
+
+
+def _print(r: dict) -> None:
+    print(f"\n{r['shape']} b {r['batch']} [{r['kernel_set']}]: {r['kernels']} kernels, replay span "
+          f"{r['span_us']:.1f} us, weight floor {r['weight_floor_us']:.1f} us "
+          f"({r['weight_floor_us'] / r['span_us']:.0%})")
+    print(table(r["groups"], [("role", "kernel", ""), ("count", "n", ""),
+                              ("marginal_us", "marginal us", ".1f"), ("share", "share", ".1%"),
+                              ("marginal_us_each", "each us", ".2f"), ("own_us", "own us", ".1f"),
+                              ("floor_us_each", "floor each", ".2f"), ("frac_of_floor", "of floor", ".2f")]))
 
 
 def main() -> int:
@@ -145,20 +168,16 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["llama-7b", "llama-160m", "tinyllama-1.1b"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--kernel-sets", nargs="+", default=["default"], choices=list(KERNEL_SETS),
+                    help="bench/common.KERNEL_SETS to trace, each on the same weights (e.g. default norm_gemv)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     results = []
     for shape in args.shapes:
         for b in args.batches:
-            r = measure(shape, b, args.replays, bw)
-            results.append(r)
-            print(f"\n{shape} b {b}: {r['kernels']} kernels, replay span {r['span_us']:.1f} us, "
-                  f"weight floor {r['weight_floor_us']:.1f} us ({r['weight_floor_us'] / r['span_us']:.0%})")
-            print(table(r["groups"], [("role", "kernel", ""), ("count", "n", ""),
-                                      ("marginal_us", "marginal us", ".1f"), ("share", "share", ".1%"),
-                                      ("marginal_us_each", "each us", ".2f"), ("own_us", "own us", ".1f"),
-                                      ("floor_us_each", "floor each", ".2f"),
-                                      ("frac_of_floor", "of floor", ".2f")]))
+            for r in measure(shape, b, args.replays, bw, args.kernel_sets):
+                results.append(r)
+                _print(r)
     write_result("timeline", {"benchmark": "timeline", "environment": environment(),
                               "copy_bandwidth_GBps": bw / 1e9, "results": results})
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +51,51 @@ def _silu_mul_rounded(g, u, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+def _norm_scale(SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """1 / RMS of each row from the producer's per-program sums of squares [num_parts, M], summed
+    in part order (deterministic)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        p = p0 + offs_p
+        part = tl.load(SS + p[None, :] * M + offs_m[:, None], mask=m_ok[:, None] & (p < num_parts)[None, :],
+                       other=0.0)
+        total += tl.sum(part, axis=1)
+    return tl.math.rsqrt(total / K + eps)
+
+
+@triton.jit
+def _normed(x, rstd, nw, DTYPE: tl.constexpr):
+    """RMSNorm's rounding (HF order, as fused.add_rmsnorm): x * rstd in fp32, cast to the dtype,
+    times the norm weight, cast again."""
+    y = (x.to(tl.float32) * rstd).to(DTYPE).to(tl.float32)
+    return (y * nw.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def _residual_out(acc, R, Y, SS, part, M, N, offs_m, offs_n, m_ok, n_ok, stride_r, stride_ym):
+    """The producer's epilogue: r = residual + y rounded to the dtype (torch's `residual + x`),
+    stored as the new residual stream, and this program's sum of r^2 per row into SS[part, m]."""
+    mask = m_ok[:, None] & n_ok[None, :]
+    res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
+    r = (acc.to(Y.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], r, mask=mask)
+    rf = tl.where(mask, r.to(tl.float32), 0.0)
+    tl.store(SS + part * M + offs_m, tl.sum(rf * rf, axis=1), mask=m_ok)
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                 stride_r, num_parts, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr):
+                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
+                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
-    rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up."""
+    rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
+    RES_OUT (one split, no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS.
+    NORM_IN: x is the residual stream of such a producer and is RMS-normalised on the fly (SS, its
+    num_parts partial sums; NW, the norm weight; eps) before the product."""
     pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -74,17 +114,25 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
     k_end = tl.minimum(k_start + k_per_split, K)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                   # [BLOCK_N, 1]
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                   # [BLOCK_M, 1]
+    if NORM_IN:
+        rstd = _norm_scale(SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_M, BLOCK_P)   # [BLOCK_M]
     if BLOCK_M == 1:
+        if NORM_IN:
+            rstd1 = tl.sum(rstd, axis=0)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(X + offs_k)
+                if NORM_IN:
+                    x = _normed(x, rstd1, tl.load(NW + offs_k), X.dtype.element_ty)
             else:  # splits are whole BLOCK_Ks: only K's own end needs a mask (K % 16 keeps 16 B loads)
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(X + offs_k, mask=k_ok, other=0.0)
+                if NORM_IN:
+                    x = _normed(x, rstd1, tl.load(NW + offs_k, mask=k_ok, other=0.0), X.dtype.element_ty)
             part += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
     else:
@@ -94,10 +142,15 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                if NORM_IN:
+                    x = _normed(x, rstd[:, None], tl.load(NW + offs_k)[None, :], X.dtype.element_ty)
             else:
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if NORM_IN:
+                    x = _normed(x, rstd[:, None], tl.load(NW + offs_k, mask=k_ok, other=0.0)[None, :],
+                                X.dtype.element_ty)
             if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -116,14 +169,17 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, k_per_split, stride_xm, stride_wn, str
             y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
             tl.store(y, _silu_mul_rounded(gate, up, Y.dtype.element_ty),
                      mask=m_ok[:, None] & (cols < N)[None, :])
+        elif RES_OUT:
+            _residual_out(acc, R, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_r, stride_ym)
         else:
             y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
             tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _splitk_reduce_kernel(WS, B, Y, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr):
+def _splitk_reduce_kernel(WS, B, Y, R, SS, M, N, stride_ym, stride_r, SPLIT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                          GLU: tl.constexpr, RES_OUT: tl.constexpr = False):
     pdl.enter(USE_PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -141,9 +197,13 @@ def _splitk_reduce_kernel(WS, B, Y, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BI
         if HAS_BIAS:
             up += tl.load(B + N + offs, mask=ok, other=0.0).to(tl.float32)
         out = _silu_mul_rounded(acc, up, Y.dtype.element_ty)
+        tl.store(Y + m.to(tl.int64) * stride_ym + offs, out, mask=ok)
+    elif RES_OUT:
+        rows = m + tl.arange(0, 1)
+        _residual_out(acc[None, :], R, Y, SS, tl.program_id(1), M, N, rows, offs, rows < M, ok,
+                      stride_r, stride_ym)
     else:
-        out = acc.to(Y.dtype.element_ty)
-    tl.store(Y + m.to(tl.int64) * stride_ym + offs, out, mask=ok)
+        tl.store(Y + m.to(tl.int64) * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -201,16 +261,31 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, epilogue: str | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, epilogue: str | None = None, *,
+         residual: torch.Tensor | None = None, norm: "NormInput | None" = None):
     """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
     dtype. epilogue="silu_mul": weight is [2I, K] (gate rows, then up rows) and the result is
     SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
-    the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry."""
+    the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry.
+
+    Add + RMSNorm folded into the projections around it (opt-in, GemvOps(fuse_norm=True)):
+    residual [M, N] (no epilogue): returns (residual + y, sums of squares [parts, M] fp32), the new
+    residual stream rounded as torch's `residual + y` and each program's sum of its squares;
+    norm=NormInput(sums, weight, eps): x is such a residual stream and the product is taken with
+    RMSNorm(x) * weight (HF rounding, as fused.add_rmsnorm), its RMS from the partial sums."""
     if epilogue not in (None, "silu_mul"):
         raise ValueError(f"gemv: epilogue {epilogue!r} is not None or 'silu_mul'")
     glu = epilogue == "silu_mul"
     m, k = x.shape
     rows = weight.shape[0]
+    if residual is not None and (glu or residual.shape != (m, rows) or residual.dtype != x.dtype or k == 0):
+        raise ValueError(f"gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit "
+                         f"[{m}, {rows}] {x.dtype} (no epilogue, K > 0)")
+    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
+                             or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
+                             or norm.sums.shape[1] != m):
+        raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} / sums "
+                         f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
     if m > MAX_M or weight.shape != (rows, k) or (bias is not None and bias.shape != (rows,)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit (M <= {MAX_M})")
@@ -241,19 +316,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     k_per_split, split = split_layout(k, cfg)
     ws = torch.empty((split, m, rows), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
+    block = min(1024, triton.next_power_of_2(n))
+    n_tiles = triton.cdiv(rows, cfg.block_n)
+    sums = None
+    if residual is not None:   # one partial sum per program that writes outputs
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        sums = torch.empty((triton.cdiv(n, block) if split > 1 else n_tiles, m), dtype=torch.float32,
+                           device=x.device)
+    res = residual if residual is not None else y
+    ss = sums if sums is not None else (norm.sums.contiguous() if norm is not None else y)
+    parts = norm.sums.shape[0] if norm is not None else 0
     launch = pdl.options(x.device)
-    _gemv_kernel[(triton.cdiv(rows, cfg.block_n), split)](
-        x, weight, b, y, ws, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+    _gemv_kernel[(n_tiles, split)](
+        x, weight, b, y, ws, res, ss, norm.weight if norm is not None else y, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts,
+        float(norm.eps) if norm is not None else 0.0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
+        RES_OUT=residual is not None and split == 1, NORM_IN=norm is not None,
+        BLOCK_P=min(64, triton.next_power_of_2(max(parts, 1))),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            ws, b, y, m, n, y.stride(0), SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block,
-            GLU=glu, num_warps=4, **launch)
-    return y
+            ws, b, y, res, ss, m, n, y.stride(0), res.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+            BLOCK=block, GLU=glu, RES_OUT=residual is not None, num_warps=4, **launch)
+    return y if residual is None else (y, sums)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -279,16 +368,80 @@ def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class NormInput(NamedTuple):
+    """RMSNorm still to apply to a residual stream, by the GEMV that reads it: the producer's
+    per-program sums of squares [parts, M] (fp32), the norm weight and eps."""
+    sums: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm on its own (an RMSNorm module's call, for op sets that call the module)."""
+        from specdec.models.llama import RMSNorm
+        return RMSNorm.forward(self, x)
+
+
+class RowLinear(NamedTuple):
+    """A projection into the residual stream (o_proj, down_proj) not run yet: the add + RMSNorm
+    that follows runs it with the residual add in its epilogue (GemvOps.add_rmsnorm)."""
+    x: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape[:-1] + self.weight.shape[:1]
+
+
+class PendingNorm(NamedTuple):
+    """A residual stream whose RMSNorm the next projection applies as it reads it."""
+    r: torch.Tensor
+    norm: NormInput
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.r.shape
+
+
 class GemvOps:
     """A layer op set (TorchLayerOps or FusedLayerOps) whose linear layers run on the GEMV kernel:
     every other step is the base set's. fuse_silu: the gate_up projection returns SiLU(gate) * up
-    itself (gemv epilogue="silu_mul") where the GEMV serves the step."""
+    itself (gemv epilogue="silu_mul") where the GEMV serves the step.
 
-    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False):
+    fuse_norm (opt-in until timed on the GPU; one rank, no o / MLP bias): add + RMSNorm leaves
+    the layer as a kernel of its own. o_proj and down_proj come back unrun (RowLinear); the
+    add_rmsnorm after them runs the projection with the residual add in its epilogue, which
+    writes the new residual stream and each program's sum of squares, and returns a PendingNorm;
+    the qkv / gate_up projection that reads it normalises each K slice as it loads it, its RMS
+    from those sums in a fixed order (deterministic; not the bits of the separate kernel, whose
+    sum runs in another order). Where the GEMV does not serve a step (more than 16 tokens) each
+    piece runs as before. Two kernels fewer per layer."""
+
+    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False):
         self.base = base
         self.on_cpu = on_cpu
         self.fuse_silu = fuse_silu
-        self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "")
+        self.fuse_norm = fuse_norm
+        self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
+
+    def row_linear(self, x, weight):
+        if self.fuse_norm and x.dim() == 2 and _serves(x, weight, None, self.on_cpu):
+            return RowLinear(x, weight)
+        return self.linear(x, weight)
+
+    def add_rmsnorm(self, x, residual, norm):
+        if isinstance(x, RowLinear):
+            if residual is not None and residual.shape == x.shape and residual.dtype == x.x.dtype == norm.weight.dtype:
+                r, sums = gemv(x.x, x.weight, residual=residual)
+                return PendingNorm(r, NormInput(sums, norm.weight, norm.eps)), r
+        return self.base.add_rmsnorm(self.resolve(x), residual, norm)
+
+    def resolve(self, x):
+        """A plain tensor for a RowLinear (its product) or a PendingNorm (its normalised rows)."""
+        if isinstance(x, RowLinear):
+            return self.linear(x.x, x.weight)
+        if isinstance(x, PendingNorm):
+            return self.base.add_rmsnorm(x.r, None, x.norm)[0]
+        return x
 
     def __getattr__(self, attr):  # only called for what the instance lacks: the base set's ops
         if attr == "base":
@@ -296,9 +449,16 @@ class GemvOps:
         return getattr(self.base, attr)
 
     def linear(self, x, weight, bias=None):
+        if isinstance(x, PendingNorm):
+            if _serves(x.r, weight, bias, self.on_cpu):
+                return gemv(x.r, weight, bias, norm=x.norm)
+            x = self.resolve(x)
         return linear(x, weight, bias, on_cpu=self.on_cpu)
 
     def gate_up_silu(self, x, weight, bias=None):
-        if self.fuse_silu and weight.shape[0] % 2 == 0 and _serves(x, weight, bias, self.on_cpu):
-            return _on_rows(x, weight, bias, epilogue="silu_mul")
+        if self.fuse_silu and weight.shape[0] % 2 == 0:
+            if isinstance(x, PendingNorm) and _serves(x.r, weight, bias, self.on_cpu):
+                return gemv(x.r, weight, bias, epilogue="silu_mul", norm=x.norm)
+            if not isinstance(x, PendingNorm) and _serves(x, weight, bias, self.on_cpu):
+                return _on_rows(x, weight, bias, epilogue="silu_mul")
         return self.base.silu_mul(self.linear(x, weight, bias))

@@ -95,6 +95,17 @@ class TorchLayerOps:
         """SiLU(gate) * up of the fused gate_up projection (GemvOps may do both in one kernel)."""
         return cls.silu_mul(cls.linear(x, weight, bias))
 
+    @classmethod
+    def row_linear(cls, x, weight):
+        """o_proj and down_proj, the projections into the residual stream (GemvOps(fuse_norm)
+        defers them to the add + RMSNorm that follows)."""
+        return cls.linear(x, weight)
+
+    @staticmethod
+    def resolve(x):
+        """x as a tensor (GemvOps(fuse_norm) may hold a projection or a norm not run yet)."""
+        return x
+
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x @ W_shard^T) + b: the bias is added once, after the reduction."""
@@ -134,7 +145,7 @@ class Attention(nn.Module):
                            v.view(t, self.num_kv_heads, self.head_dim), cos, sin, kv_layer, batch, backend)
         k_cache, v_cache = kv_layer
         out = backend.attend(q, k_cache, v_cache, batch, self.scale)         # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size), ops.linear)
+        return self.o_proj(out.reshape(t, self.q_size), ops.row_linear)
 
 
 class MLP(nn.Module):
@@ -146,7 +157,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         act = ops.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.down_proj(act, ops.linear)
+        return self.down_proj(act, ops.row_linear)
 
 
 class DecoderLayer(nn.Module):
@@ -176,6 +187,7 @@ class LlamaModel(nn.Module):
         self.fused_kernels = fused_kernels
         self.gemv_kernels = gemv_kernels
         self.gemv_silu = False  # SiLU * up in the gate_up projection's GEMV epilogue (set_gemv_silu)
+        self.gemv_norm = False  # add + RMSNorm folded into the GEMVs around it (set_gemv_norm)
         self._choose_ops()
         # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -202,6 +214,13 @@ class LlamaModel(nn.Module):
         self.gemv_silu = enabled
         self._choose_ops()
 
+    def set_gemv_norm(self, enabled: bool) -> None:
+        """With the GEMV: add + RMSNorm folded into the projections around it (GemvOps fuse_norm:
+        two kernels fewer per layer, not the separate kernel's bits); one rank and no o / MLP bias
+        only, else ignored; off by default until measured on the GPU."""
+        self.gemv_norm = enabled
+        self._choose_ops()
+
     def _choose_ops(self) -> None:
         if self.fused_kernels:
             from specdec.kernels.fused import FusedLayerOps  # Triton is imported only when asked for
@@ -210,7 +229,9 @@ class LlamaModel(nn.Module):
             self.ops = TorchLayerOps()
         if self.gemv_kernels:
             from specdec.kernels.gemv import GemvOps
-            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu)
+            cfg = self.config
+            fuse_norm = self.gemv_norm and self.tp.size == 1 and not cfg.o_bias and not cfg.mlp_bias
+            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu, fuse_norm=fuse_norm)
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -226,6 +247,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, kv.layer(i), batch, backend, self.ops)
         rows = batch.logits_indices
+        x = self.ops.resolve(x)        # GemvOps(fuse_norm): the last down_proj, unrun until here
         last = None if residual is None else residual[rows]
         x, _ = self.ops.add_rmsnorm(x[rows], last, self.norm)               # [N, hidden]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

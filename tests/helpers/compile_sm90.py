@@ -28,15 +28,21 @@ def compile_kernel(fn, types: dict[str, str], constexprs: dict, warps: int, stag
 
 
 def variants():
-    gemv_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "WS": "*fp32"}
+    gemv_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "R": "*bf16",
+                  "SS": "*fp32", "NW": "*bf16", "eps": "fp32"}
     for (bm, bn, bk, warps, stages), split, glu in itertools.product(
             [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [1, 4], [False, True]):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=glu, EVEN_K=split == 1,
-                 UPCAST=False, USE_PDL=True, GLU=glu)
+                 UPCAST=False, USE_PDL=True, GLU=glu, RES_OUT=False, NORM_IN=False, BLOCK_P=16)
         yield f"gemv M{bm} split{split} glu={glu}", gemv._gemv_kernel, gemv_types, c, warps, stages
-    for glu in (False, True):
-        c = dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True, GLU=glu)
-        yield f"splitk_reduce glu={glu}", gemv._splitk_reduce_kernel, gemv_types, c, 4, 1
+    for (bm, bn, bk, warps, stages), (res, norm) in itertools.product(
+            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [(True, False), (False, True)]):
+        c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=1, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
+                 USE_PDL=True, GLU=False, RES_OUT=res, NORM_IN=norm, BLOCK_P=64)
+        yield f"gemv M{bm} residual={res} norm={norm}", gemv._gemv_kernel, gemv_types, c, warps, stages
+    for glu, res in ((False, False), (True, False), (False, True)):
+        c = dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True, GLU=glu, RES_OUT=res)
+        yield f"splitk_reduce glu={glu} residual={res}", gemv._splitk_reduce_kernel, gemv_types, c, 4, 1
     attn_types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Part": "*fp32",
                   "Counters": "*i32", "BlockTables": "*i32", "ContextLens": "*i32",
                   "QueryStart": "*i32", "scale_log2": "fp32"}
