@@ -15,7 +15,10 @@ import time
 
 from common import environment, table, write_result
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from protos.wire import repeats_a_column  # noqa: E402
 
 from specdec.sampling.transport import decode_probs, encode_probs, round_probs  # noqa: E402
 
@@ -58,12 +61,26 @@ def main() -> int:
         for b in a.batches:
             rows.append({"encoding": name, "batch": b, "bytes_per_seq": size, "encode_us_per_seq": enc_us,
                          "decode_us_per_seq": dec_us, "step_ms": b * (enc_us + dec_us) / 1e3})
+    # The sparse decode's duplicate-column check, side by side: the one-pass test for columns in
+    # increasing order (what encoders write; protos.wire.repeats_a_column) against sorting them
+    # (np.unique, which the decode ran for every sparse sequence before), on the same positions.
+    flat = (np.repeat(np.arange(enc.rows) * a.vocab, np.frombuffer(enc.row_lengths, "<i4"))
+            + np.frombuffer(enc.indices, "<i4").astype(np.int64))
+    shuffled = np.random.default_rng(0).permutation(flat)
+    dup = {"nonzeros": int(flat.size),
+           "one_pass_us": _median_us(lambda: repeats_a_column(flat), n=200),
+           "np_unique_us": _median_us(lambda: np.unique(flat).size != flat.size, n=200),
+           "unsorted_input_us": _median_us(lambda: repeats_a_column(shuffled), n=200)}
+    assert not repeats_a_column(flat) and not repeats_a_column(shuffled)
     result = {"benchmark": "transport", "environment": environment(), "vocab": a.vocab,
-              "num_draft": a.num_draft, "rows": rows}
+              "num_draft": a.num_draft, "rows": rows, "duplicate_check": dup}
     path = write_result("transport", result)
     print(table(rows, [("encoding", "encoding", "s"), ("batch", "batch", "d"), ("bytes_per_seq", "bytes/seq", "d"),
                        ("encode_us_per_seq", "encode us/seq", ".0f"), ("decode_us_per_seq", "decode us/seq", ".0f"),
                        ("step_ms", "host ms/step (both sides)", ".2f")]))
+    print(f"duplicate-column check of one sparse sequence ({dup['nonzeros']} nonzeros): one pass "
+          f"{dup['one_pass_us']:.1f} us, np.unique {dup['np_unique_us']:.1f} us, unsorted input "
+          f"(falls back to np.unique) {dup['unsorted_input_us']:.1f} us")
     print(f"wrote {path}")
     return 0
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from protos import specdec_pb2 as pb
-from protos.wire import WireError, unpack_ids
+from protos.wire import WireError, repeats_a_column, unpack_ids
 
 _DENSE = (pb.PROBS_ENCODING_DENSE_FP16, pb.PROBS_ENCODING_DENSE_BF16)
 
@@ -71,7 +71,7 @@ def _check_probs(probs: pb.Probs, rows: int, vocab_size: int) -> None:
     if nnz and (cols.min() < 0 or cols.max() >= vocab_size):
         raise BadProposal(f"probs.indices: a column outside 0..{vocab_size - 1}")
     row_of = np.repeat(np.arange(rows), lengths)
-    if nnz and np.unique(row_of * vocab_size + cols).size != nnz:
+    if repeats_a_column(row_of * vocab_size + cols):
         raise BadProposal("probs.indices: a column appears twice in one row")
     values = np.frombuffer(probs.values, dtype="<f2")
     if not (np.isfinite(values) & (values >= 0)).all():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protos.wire import repeats_a_column
 from specdec.staging import to_device
 
 TRANSPORT_DTYPES = {"DENSE_FP16": torch.float16, "DENSE_BF16": torch.bfloat16}
@@ -292,7 +293,7 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         if nnz and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
             fail("indices", f"column outside 0..{vocab_size - 1}")
         flat = np.repeat(np.arange(rows, dtype=np.int64) * vocab_size, lengths) + cols
-        if np.unique(flat).size != nnz:
+        if repeats_a_column(flat):
             fail("indices", "a column appears twice in one row")
         vals = np.frombuffer(values, dtype="<i2").astype(np.int16)
         _check_weights(vals, wire_dtype, fail)
