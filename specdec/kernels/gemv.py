@@ -281,9 +281,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None and (glu or residual.shape != (m, rows) or residual.dtype != x.dtype or k == 0):
         raise ValueError(f"gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit "
                          f"[{m}, {rows}] {x.dtype} (no epilogue, K > 0)")
+    if residual is not None and norm is not None:
+        raise ValueError("gemv: residual= and norm= together (a producer's sums are its output)")
     if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
                              or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
-                             or norm.sums.shape[1] != m):
+                             or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
         raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} / sums "
                          f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
     if m > MAX_M or weight.shape != (rows, k) or (bias is not None and bias.shape != (rows,)):
@@ -299,7 +301,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv: weight rows must be contiguous")
     n = rows // 2 if glu else rows   # output columns
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    if m == 0 or n == 0:   # with residual: the stream as it is, and its (empty) rows' sums
+        if residual is not None:
+            return y.copy_(residual), torch.zeros((1, m), dtype=torch.float32, device=x.device)
         return y
     if k == 0:
         if glu:
@@ -326,10 +330,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                            device=x.device)
     res = residual if residual is not None else y
     ss = sums if sums is not None else (norm.sums.contiguous() if norm is not None else y)
+    nw = norm.weight.contiguous() if norm is not None else y      # the kernel reads it as NW + k
     parts = norm.sums.shape[0] if norm is not None else 0
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles, split)](
-        x, weight, b, y, ws, res, ss, norm.weight if norm is not None else y, m, n, k, k_per_split,
+        x, weight, b, y, ws, res, ss, nw, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts,
         float(norm.eps) if norm is not None else 0.0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
