@@ -38,6 +38,8 @@ KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True),
     "silu_gemv": dict(fused=True, gemv=True, pdl=True, silu=True),  # SiLU * up in the gate_up GEMV
     "norm_gemv": dict(fused=True, gemv=True, pdl=True, norm=True),  # add + RMSNorm folded into the GEMVs
+    "rope_gemv": dict(fused=True, gemv=True, pdl=True, rope=True),  # RoPE + KV store in the qkv GEMV
+    "norm_rope_gemv": dict(fused=True, gemv=True, pdl=True, norm=True, rope=True),  # both
     "no_pdl": dict(fused=True, gemv=True, pdl=False),      # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -54,6 +56,7 @@ def kernel_set(model, name: str):
     model.set_gemv_kernels(chosen["gemv"])
     model.set_gemv_silu(chosen.get("silu", False))
     model.set_gemv_norm(chosen.get("norm", False))
+    model.set_gemv_rope(chosen.get("rope", False))
     with pdl.forced(chosen["pdl"]):
         yield
 

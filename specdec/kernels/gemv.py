@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import pdl
+from specdec.kernels.fused import _rotate_half
+from specdec.models.llama import qkv_rope_store
 
 MAX_M = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,17 +87,58 @@ def _residual_out(acc, R, Y, SS, part, M, N, offs_m, offs_n, m_ok, n_ok, stride_
 
 
 @triton.jit
+def _rope_out(x1, x2, head, j0, Q, Cos, Sin, Slots, KC, VC, offs_m, m_ok, stride_qt, stride_qh, stride_ct,
+              stride_kb, stride_ks, stride_kh, num_heads, num_kv_heads, HT: tl.constexpr,
+              HEAD_D: tl.constexpr, PAGE: tl.constexpr):
+    """The qkv projection's epilogue with RoPE + KV store (fused.rope_store's rounding): x1 / x2 are
+    rows j0 + [0, HT) of one head's two halves, [BLOCK_M, HT] fp32 accumulators."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    x1 = x1.to(DT).to(tl.float32)            # the projection's output, as gemv would store it
+    x2 = x2.to(DT).to(tl.float32)
+    jj = j0 + tl.arange(0, HT)
+    rows = offs_m.to(tl.int64)
+    if head < num_heads + num_kv_heads:       # q or k: rotate
+        c = tl.load(Cos + rows[:, None] * stride_ct + jj[None, :], mask=m_ok[:, None], other=0.0)
+        s = tl.load(Sin + rows[:, None] * stride_ct + jj[None, :], mask=m_ok[:, None], other=0.0)
+        o1, o2 = _rotate_half(x1, x2, c.to(DT).to(tl.float32), s.to(DT).to(tl.float32), DT)
+    else:
+        o1 = x1.to(DT)
+        o2 = x2.to(DT)
+    if head < num_heads:
+        q = Q + rows[:, None] * stride_qt + head * stride_qh + jj[None, :]
+        tl.store(q, o1, mask=m_ok[:, None])
+        tl.store(q + HEAD_D // 2, o2, mask=m_ok[:, None])
+    else:
+        slot = tl.load(Slots + rows, mask=m_ok, other=-1)
+        ok = (m_ok & (slot >= 0))[:, None]
+        base = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks
+        if head < num_heads + num_kv_heads:
+            cache = KC + base[:, None] + (head - num_heads) * stride_kh + jj[None, :]
+        else:
+            cache = VC + base[:, None] + (head - num_heads - num_kv_heads) * stride_kh + jj[None, :]
+        tl.store(cache, o1.to(cache.dtype.element_ty), mask=ok)
+        tl.store(cache + HEAD_D // 2, o2.to(cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  stride_r, num_parts, eps,
+                 Cos, Sin, Slots, KC, VC, stride_ct, stride_qh, stride_kb, stride_ks, stride_kh,
+                 num_heads, num_kv_heads,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
-                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16):
+                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
+                 ROPE: tl.constexpr = False, HEAD_D: tl.constexpr = 2, PAGE: tl.constexpr = 1):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
     rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
     RES_OUT (one split, no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS.
     NORM_IN: x is the residual stream of such a producer and is RMS-normalised on the fly (SS, its
-    num_parts partial sums; NW, the norm weight; eps) before the product."""
+    num_parts partial sums; NW, the norm weight; eps) before the product.
+    ROPE (one split): W is the qkv projection ((num_heads + 2 num_kv_heads) heads of HEAD_D rows);
+    a program's BLOCK_N rows are BLOCK_N / 2 rows of one head's first half and the matching rows of
+    its second half, and its epilogue is fused.rope_store's: RoPE(q) into Y ([M, num_heads, HEAD_D],
+    head stride stride_qh), RoPE(k) and v into the paged caches KC / VC at Slots (negative: none)."""
     pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,6 +148,14 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
         col = pid_n * HALF + offs_r % HALF
         offs_n = col + (offs_r // HALF) * N             # W rows: gate rows, then the up rows
         n_ok = col < N
+    elif ROPE:
+        HT: tl.constexpr = BLOCK_N // 2
+        TILES: tl.constexpr = HEAD_D // BLOCK_N        # programs per head
+        head = pid_n // TILES
+        j0 = (pid_n % TILES) * HT
+        offs_r = tl.arange(0, BLOCK_N)
+        offs_n = head * HEAD_D + j0 + offs_r % HT + (offs_r // HT) * (HEAD_D // 2)
+        n_ok = offs_n < N
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -171,6 +222,10 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
                      mask=m_ok[:, None] & (cols < N)[None, :])
         elif RES_OUT:
             _residual_out(acc, R, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_r, stride_ym)
+        elif ROPE:
+            x1, x2 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HT]), [0, 2, 1]))
+            _rope_out(x1, x2, head, j0, Y, Cos, Sin, Slots, KC, VC, offs_m, m_ok, stride_ym, stride_qh,
+                      stride_ct, stride_kb, stride_ks, stride_kh, num_heads, num_kv_heads, HT, HEAD_D, PAGE)
         else:
             y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
             tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
@@ -262,7 +317,8 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, epilogue: str | None = None, *,
-         residual: torch.Tensor | None = None, norm: "NormInput | None" = None):
+         residual: torch.Tensor | None = None, norm: "NormInput | None" = None,
+         rope: "RopeStore | None" = None):
     """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
     dtype. epilogue="silu_mul": weight is [2I, K] (gate rows, then up rows) and the result is
     SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
@@ -272,7 +328,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     residual [M, N] (no epilogue): returns (residual + y, sums of squares [parts, M] fp32), the new
     residual stream rounded as torch's `residual + y` and each program's sum of its squares;
     norm=NormInput(sums, weight, eps): x is such a residual stream and the product is taken with
-    RMSNorm(x) * weight (HF rounding, as fused.add_rmsnorm), its RMS from the partial sums."""
+    RMSNorm(x) * weight (HF rounding, as fused.add_rmsnorm), its RMS from the partial sums.
+
+    rope=RopeStore(...) (weight: the qkv projection; opt-in, GemvOps(fuse_rope=True)): returns
+    RoPE(q) [M, H, D] and writes RoPE(k) and v into the paged caches, with the bits of this
+    projection followed by fused.rope_store (one kernel fewer per layer). Composes with norm=."""
     if epilogue not in (None, "silu_mul"):
         raise ValueError(f"gemv: epilogue {epilogue!r} is not None or 'silu_mul'")
     glu = epilogue == "silu_mul"
@@ -283,6 +343,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"[{m}, {rows}] {x.dtype} (no epilogue, K > 0)")
     if residual is not None and norm is not None:
         raise ValueError("gemv: residual= and norm= together (a producer's sums are its output)")
+    if rope is not None:
+        return _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope)
     if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
                              or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
                              or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
@@ -336,7 +398,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(n_tiles, split)](
         x, weight, b, y, ws, res, ss, nw, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts,
-        float(norm.eps) if norm is not None else 0.0,
+        float(norm.eps) if norm is not None else 0.0, *_NO_ROPE(y),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
@@ -371,6 +433,68 @@ def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """gemv over x flattened to rows, reshaped back to x's leading dimensions."""
     y = gemv(x.reshape(-1, x.shape[-1]), weight, bias, epilogue=epilogue)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _NO_ROPE(y: torch.Tensor) -> tuple:  # noqa: N802 - the rope arguments of a launch without ROPE
+    return (y, y, y, y, y, 0, 0, 0, 0, 0, 0, 0)
+
+
+class RopeStore(NamedTuple):
+    """What the qkv projection's RoPE + KV-store epilogue needs (fused.rope_store's arguments):
+    cos / sin [M, D/2] or [M, D], the caches [blocks, block_size, Hkv, D], slot per token."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope: RopeStore) -> torch.Tensor:
+    m, k = x.shape
+    h, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
+    kc, vc = rope.k_cache, rope.v_cache
+    if (epilogue is not None or residual is not None or weight.shape[0] != (h + 2 * hkv) * d or d % 2
+            or d < 16 or d & (d - 1) or m > MAX_M or x.dtype != weight.dtype or x.dtype not in _DTYPES
+            or kc.shape[2:] != (hkv, d) or vc.shape != kc.shape or vc.stride() != kc.stride()
+            or kc.stride(-1) != 1 or rope.cos.shape[0] != m or rope.cos.shape[1] not in (d, d // 2)
+            or rope.sin.shape != rope.cos.shape or rope.slots.shape != (m,)):
+        raise ValueError(f"gemv rope: x {tuple(x.shape)}, weight {tuple(weight.shape)}, heads {h}/{hkv}x{d}, "
+                         f"caches {tuple(kc.shape)}, cos {tuple(rope.cos.shape)}, slots "
+                         f"{tuple(rope.slots.shape)} do not fit (power-of-two head_dim >= 16, M <= {MAX_M})")
+    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
+                             or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
+                             or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
+        raise ValueError("gemv rope: norm sums / weight do not fit")
+    q = torch.empty((m, h, d), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return q
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = (t if t.stride(-1) == 1 and t.stride(0) == rope.cos.stride(0) else t.contiguous()
+                for t in (rope.cos, rope.sin))
+    if sin.stride(0) != cos.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    base = config or default_config(m, weight.shape[0], k, _num_sms(x.device))
+    # one split (the epilogue writes the outputs), a whole number of programs per head
+    cfg = GemvConfig(base.block_m, min(base.block_n, d), base.block_k, 1, base.num_warps, base.num_stages)
+    nw = norm.weight.contiguous() if norm is not None else q
+    ss = norm.sums.contiguous() if norm is not None else q
+    parts = norm.sums.shape[0] if norm is not None else 0
+    rows = weight.shape[0]
+    _gemv_kernel[(triton.cdiv(rows, cfg.block_n), 1)](
+        x, weight, bias if bias is not None else q, q, q, q, ss, nw, m, rows, k, triton.cdiv(k, cfg.block_k) * cfg.block_k,
+        x.stride(0), weight.stride(0), q.stride(0), 0, parts, float(norm.eps) if norm is not None else 0.0,
+        cos, sin, rope.slots, kc, vc, cos.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        h, hkv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=False, NORM_IN=norm is not None,
+        BLOCK_P=min(64, triton.next_power_of_2(max(parts, 1))), ROPE=True, HEAD_D=d, PAGE=kc.shape[1],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device))
+    return q
 
 
 class NormInput(NamedTuple):
@@ -421,12 +545,27 @@ class GemvOps:
     sum runs in another order). Where the GEMV does not serve a step (more than 16 tokens) each
     piece runs as before. Two kernels fewer per layer."""
 
-    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False):
+    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False,
+                 fuse_rope: bool = False):
         self.base = base
         self.on_cpu = on_cpu
         self.fuse_silu = fuse_silu
         self.fuse_norm = fuse_norm
-        self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
+        self.fuse_rope = fuse_rope and base.name == "fused"   # the epilogue has fused.rope_store's bits
+        self.name = (base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
+                     + ("+rope" if self.fuse_rope else ""))
+
+    def qkv_rope(self, x, weight, bias, heads, cos, sin, kv_layer, batch, backend):
+        """fuse_rope: the qkv GEMV writes RoPE(q) and the caches itself where it serves the step
+        (reading a PendingNorm's stream normalised, too); otherwise projection, then rope_store."""
+        rows = x.r if isinstance(x, PendingNorm) else x
+        d = heads[2]
+        if (self.fuse_rope and rows.dim() == 2 and d >= 16 and not d & (d - 1)
+                and _serves(rows, weight, bias, self.on_cpu)):
+            k_cache, v_cache = kv_layer
+            return gemv(rows, weight, bias, norm=x.norm if isinstance(x, PendingNorm) else None,
+                        rope=RopeStore(cos, sin, k_cache, v_cache, batch.slot_mapping, *heads))
+        return qkv_rope_store(self, x, weight, bias, heads, cos, sin, kv_layer, batch, backend)
 
     def row_linear(self, x, weight):
         if self.fuse_norm and x.dim() == 2 and _serves(x, weight, None, self.on_cpu):
