@@ -332,7 +332,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     rope=RopeStore(...) (weight: the qkv projection; opt-in, GemvOps(fuse_rope=True)): returns
     RoPE(q) [M, H, D] and writes RoPE(k) and v into the paged caches, with the bits of this
-    projection followed by fused.rope_store (one kernel fewer per layer). Composes with norm=."""
+    projection followed by fused.rope_store where rope_keeps_bits says so (one kernel fewer per
+    layer). Always one split. Composes with norm=."""
     if epilogue not in (None, "silu_mul"):
         raise ValueError(f"gemv: epilogue {epilogue!r} is not None or 'silu_mul'")
     glu = epilogue == "silu_mul"
@@ -452,6 +453,17 @@ class RopeStore(NamedTuple):
     head_dim: int
 
 
+def rope_keeps_bits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv(rope=...) has the bits of the plain projection followed by rope_store: where
+    the plain GEMV would split K (few N tiles: small models at M > 1) it sums per-split partials in
+    split order, and the epilogue's single pass sums K in another order (GemvOps keeps the separate
+    kernels there). fp32 models can still differ by an ulp: the compiler contracts RoPE's two
+    products into an FMA in the other order than rope_store's kernel (fp16 / bf16 products are
+    exact in fp32, so they cannot)."""
+    m, k = x.reshape(-1, x.shape[-1]).shape
+    return split_layout(k, default_config(m, weight.shape[0], k, _num_sms(x.device)))[1] == 1
+
+
 def _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope: RopeStore) -> torch.Tensor:
     m, k = x.shape
     h, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
@@ -478,6 +490,9 @@ def _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope: RopeStor
     if sin.stride(0) != cos.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
     base = config or default_config(m, weight.shape[0], k, _num_sms(x.device))
+    if (m == 1) != (base.block_m == 1) or base.block_n < 2 or weight.stride(-1) != 1:
+        raise ValueError(f"gemv rope: config {base} does not serve M = {m} (block_n >= 2), or the weight "
+                         "rows are not contiguous")
     # one split (the epilogue writes the outputs), a whole number of programs per head
     cfg = GemvConfig(base.block_m, min(base.block_n, d), base.block_k, 1, base.num_warps, base.num_stages)
     nw = norm.weight.contiguous() if norm is not None else q
@@ -561,7 +576,7 @@ class GemvOps:
         rows = x.r if isinstance(x, PendingNorm) else x
         d = heads[2]
         if (self.fuse_rope and rows.dim() == 2 and d >= 16 and not d & (d - 1)
-                and _serves(rows, weight, bias, self.on_cpu)):
+                and _serves(rows, weight, bias, self.on_cpu) and rope_keeps_bits(rows, weight)):
             k_cache, v_cache = kv_layer
             return gemv(rows, weight, bias, norm=x.norm if isinstance(x, PendingNorm) else None,
                         rope=RopeStore(cos, sin, k_cache, v_cache, batch.slot_mapping, *heads))

@@ -150,9 +150,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend, ops) -> torch.Tensor:
         t = x.shape[0]
-        # Keep qkv -> rope_store -> attend back to back: under PDL the RoPE kernel loads cos / sin /
-        # slots and the attention kernel its lengths and page table before waiting for the kernel
-        # before them (kernels/pdl.py, EARLY_LOADS), so nothing launched in between may write them.
+        # Keep qkv -> rope_store -> attend back to back (or the qkv GEMV with RoPE in its epilogue,
+        # then attend): under PDL the RoPE kernel loads cos / sin / slots and the attention kernel
+        # its lengths and page table before waiting for the kernel before them (kernels/pdl.py,
+        # EARLY_LOADS), so nothing launched in between may write them.
         q = ops.qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias,
                          (self.num_heads, self.num_kv_heads, self.head_dim), cos, sin, kv_layer, batch, backend)
         k_cache, v_cache = kv_layer

@@ -74,6 +74,35 @@ def test_on_the_gpu(dtype):
             _same(*_both(m, heads, dtype, device="cuda", norm=m == 5))
 
 
+def test_shapes_the_plain_gemv_splits_keep_the_separate_kernels():
+    """A helper's review: where the plain projection splits K (few N tiles, e.g. a 160m draft's
+    qkv at M > 1) its partial sums add in split order, which one pass cannot match, so GemvOps
+    keeps projection + rope_store there; the direct call is still RoPE of the projection, to
+    float rounding."""
+    from specdec.kernels.gemv import GemvOps, rope_keeps_bits
+    x, w = torch.randn(3, 768), torch.randn(12 * 3 * 64, 768) * 0.05
+    assert not rope_keeps_bits(x, w) and rope_keeps_bits(x[:1], w)
+    # a model whose qkv splits K at every step of run_steps (M > 1, K = 256): the same logits bit
+    # for bit, and no fused call
+    kw = dict(hidden_size=256, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=64)
+    want = run_steps(new_runner(_model(config=kw), torch.float16))
+    model = _model(config=kw, rope=True)
+    assert isinstance(model.ops, GemvOps) and model.ops.fuse_rope
+    got, calls = _steps_with_rope_calls(model)
+    assert calls and not any(calls)
+    for g, w_ in zip(got, want):
+        assert torch.equal(g, w_)
+    h, hkv, d = 12, 12, 64
+    cos, sin = torch.rand(3, d // 2), torch.rand(3, d // 2)
+    caches = [torch.zeros(4, 4, hkv, d) for _ in range(4)]
+    slots = torch.tensor([0, 5, 9])
+    got = gemv(x, w, rope=RopeStore(cos, sin, caches[0], caches[1], slots, h, hkv, d))
+    q, k, v = gemv(x, w).split([h * d, hkv * d, hkv * d], -1)
+    want = rope_store(q.view(3, h, d), k.view(3, hkv, d), v.view(3, hkv, d), cos, sin, caches[2], caches[3], slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], rtol=1e-5, atol=1e-5)
+
+
 def test_refused_where_it_does_not_fit():
     x, w = torch.randn(2, 32), torch.randn(3 * 2 * 16, 32)
     caches = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
@@ -85,10 +114,24 @@ def test_refused_where_it_does_not_fit():
             gemv(x, w, rope=bad)
     with pytest.raises(ValueError, match="rope"):
         gemv(x, w, epilogue="silu_mul", rope=ok)
+    for cfg in (GemvConfig(1, 8, 32), GemvConfig(1, 1, 32)):
+        with pytest.raises(ValueError, match="rope"):       # block_m 1 for 2 rows; block_n 1
+            gemv(x, w, config=cfg, rope=ok)
 
 
-def _model(**sets):
-    model = init_random(build_model(tiny_config(), torch.float16, "cpu"), std=0.1)
+def _steps_with_rope_calls(model):
+    """run_steps' logits on a fresh fp16 runner, and for each gemv call whether it took rope=."""
+    calls = []
+    original = gemv_module.gemv
+    gemv_module.gemv = lambda *a, **kw: calls.append(kw.get("rope") is not None) or original(*a, **kw)
+    try:
+        return run_steps(new_runner(model, torch.float16)), calls
+    finally:
+        gemv_module.gemv = original
+
+
+def _model(config=None, **sets):
+    model = init_random(build_model(tiny_config(**(config or {})), torch.float16, "cpu"), std=0.1, seed=3)
     model.set_fused_kernels(True)
     model.set_gemv_kernels(True)
     for name, on in sets.items():
@@ -106,13 +149,7 @@ def test_the_model_gives_the_same_logits(norm):
     model.set_gemv_rope(True)
     model.ops.on_cpu = True
     assert model.ops.fuse_rope and model.ops.name.endswith("+rope")
-    calls = []
-    original = gemv_module.gemv
-    gemv_module.gemv = lambda *a, **kw: calls.append(kw.get("rope") is not None) or original(*a, **kw)
-    try:
-        got = run_steps(new_runner(model, torch.float16))
-    finally:
-        gemv_module.gemv = original
+    got, calls = _steps_with_rope_calls(model)
     assert calls.count(True) == 3 * model.config.num_layers
     for g, w in zip(got, want):
         assert torch.equal(g, w)
