@@ -344,13 +344,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"[{m}, {rows}] {x.dtype} (no epilogue, K > 0)")
     if residual is not None and norm is not None:
         raise ValueError("gemv: residual= and norm= together (a producer's sums are its output)")
+    _check_norm(norm, x)
     if rope is not None:
         return _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope)
-    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
-                             or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
-                             or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
-        raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} / sums "
-                         f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
     if m > MAX_M or weight.shape != (rows, k) or (bias is not None and bias.shape != (rows,)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit (M <= {MAX_M})")
@@ -392,19 +388,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         sums = torch.empty((triton.cdiv(n, block) if split > 1 else n_tiles, m), dtype=torch.float32,
                            device=x.device)
     res = residual if residual is not None else y
-    ss = sums if sums is not None else (norm.sums.contiguous() if norm is not None else y)
-    nw = norm.weight.contiguous() if norm is not None else y      # the kernel reads it as NW + k
-    parts = norm.sums.shape[0] if norm is not None else 0
+    ss, nw, parts, eps, block_p = _norm_args(norm, y)
+    ss = sums if sums is not None else ss
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles, split)](
         x, weight, b, y, ws, res, ss, nw, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts,
-        float(norm.eps) if norm is not None else 0.0, *_NO_ROPE(y),
+        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps, *_NO_ROPE(y),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
-        RES_OUT=residual is not None and split == 1, NORM_IN=norm is not None,
-        BLOCK_P=min(64, triton.next_power_of_2(max(parts, 1))),
+        RES_OUT=residual is not None and split == 1, NORM_IN=norm is not None, BLOCK_P=block_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
@@ -434,6 +427,25 @@ def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """gemv over x flattened to rows, reshaped back to x's leading dimensions."""
     y = gemv(x.reshape(-1, x.shape[-1]), weight, bias, epilogue=epilogue)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _check_norm(norm: "NormInput | None", x: torch.Tensor) -> None:
+    m, k = x.shape
+    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
+                             or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
+                             or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
+        raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} / sums "
+                         f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
+
+
+def _norm_args(norm: "NormInput | None", dummy: torch.Tensor) -> tuple:
+    """(SS, NW, num_parts, eps, BLOCK_P) of a launch: the norm's (the kernel reads NW as NW + k, so
+    contiguous), or a dummy tensor and zeros without one."""
+    if norm is None:
+        return dummy, dummy, 0, 0.0, 1
+    parts = norm.sums.shape[0]
+    return (norm.sums.contiguous(), norm.weight.contiguous(), parts, float(norm.eps),
+            min(64, triton.next_power_of_2(parts)))
 
 
 def _NO_ROPE(y: torch.Tensor) -> tuple:  # noqa: N802 - the rope arguments of a launch without ROPE
@@ -476,18 +488,13 @@ def _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope: RopeStor
         raise ValueError(f"gemv rope: x {tuple(x.shape)}, weight {tuple(weight.shape)}, heads {h}/{hkv}x{d}, "
                          f"caches {tuple(kc.shape)}, cos {tuple(rope.cos.shape)}, slots "
                          f"{tuple(rope.slots.shape)} do not fit (power-of-two head_dim >= 16, M <= {MAX_M})")
-    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
-                             or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
-                             or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
-        raise ValueError("gemv rope: norm sums / weight do not fit")
     q = torch.empty((m, h, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cos, sin = (t if t.stride(-1) == 1 and t.stride(0) == rope.cos.stride(0) else t.contiguous()
-                for t in (rope.cos, rope.sin))
-    if sin.stride(0) != cos.stride(0):
+    cos, sin = rope.cos, rope.sin      # the kernel reads both with cos's row stride
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
     base = config or default_config(m, weight.shape[0], k, _num_sms(x.device))
     if (m == 1) != (base.block_m == 1) or base.block_n < 2 or weight.stride(-1) != 1:
@@ -495,19 +502,17 @@ def _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope: RopeStor
                          "rows are not contiguous")
     # one split (the epilogue writes the outputs), a whole number of programs per head
     cfg = GemvConfig(base.block_m, min(base.block_n, d), base.block_k, 1, base.num_warps, base.num_stages)
-    nw = norm.weight.contiguous() if norm is not None else q
-    ss = norm.sums.contiguous() if norm is not None else q
-    parts = norm.sums.shape[0] if norm is not None else 0
+    ss, nw, parts, eps, block_p = _norm_args(norm, q)
     rows = weight.shape[0]
     _gemv_kernel[(triton.cdiv(rows, cfg.block_n), 1)](
-        x, weight, bias if bias is not None else q, q, q, q, ss, nw, m, rows, k, triton.cdiv(k, cfg.block_k) * cfg.block_k,
-        x.stride(0), weight.stride(0), q.stride(0), 0, parts, float(norm.eps) if norm is not None else 0.0,
+        x, weight, bias if bias is not None else q, q, q, q, ss, nw, m, rows, k, split_layout(k, cfg)[0],
+        x.stride(0), weight.stride(0), q.stride(0), 0, parts, eps,
         cos, sin, rope.slots, kc, vc, cos.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         h, hkv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=False, NORM_IN=norm is not None,
-        BLOCK_P=min(64, triton.next_power_of_2(max(parts, 1))), ROPE=True, HEAD_D=d, PAGE=kc.shape[1],
+        BLOCK_P=block_p, ROPE=True, HEAD_D=d, PAGE=kc.shape[1],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device))
     return q
 

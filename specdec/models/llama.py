@@ -252,8 +252,7 @@ class LlamaModel(nn.Module):
             from specdec.kernels.gemv import GemvOps
             cfg = self.config
             fuse_norm = self.gemv_norm and self.tp.size == 1 and not cfg.o_bias and not cfg.mlp_bias
-            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu, fuse_norm=fuse_norm,
-                               fuse_rope=self.gemv_rope and self.fused_kernels)
+            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu, fuse_norm=fuse_norm, fuse_rope=self.gemv_rope)
 
     @property
     def num_kv_heads_local(self) -> int:
