@@ -61,6 +61,21 @@ def kernel_set(model, name: str):
         yield
 
 
+def graphed_decode(model, batch: int, context: int = 128, block: int = 16):
+    """(runner, staged batch): `batch` sequences of `context` tokens prefilled, a (batch, 1) CUDA
+    graph captured, and one decode step staged into it; runner.forward(staged) or the bucket's
+    graph.replay() then replays that step (cost_coefficient.py, timeline.py)."""
+    from specdec.config import CacheConfig
+    from specdec.runner import ModelRunner, SeqInput
+    blocks_per_seq = -(-(context + 8) // block)
+    runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, block, torch.bfloat16))
+    runner.enable_cuda_graphs(max_model_len=context + 64, query_lens=(1,), batch_sizes=(batch,))
+    for s in range(batch):
+        runner.add_sequence(s)
+    runner.step([SeqInput(s, list(range(1, context))) for s in range(batch)])
+    return runner, runner.prepare([SeqInput(s, [7]) for s in range(batch)])
+
+
 def hf_config(shape: str, max_position: int = 4096) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
             "max_position_embeddings": max_position, "rope_theta": 10000.0, "tie_word_embeddings": False,

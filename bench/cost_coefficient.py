@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import KERNEL_SETS, environment, hf_config, kernel_set, model_config, table, write_result
+from common import KERNEL_SETS, environment, graphed_decode, hf_config, kernel_set, model_config, table, write_result
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from specdec.config import CacheConfig  # noqa: E402
 from specdec.models.loader import build_model, init_random  # noqa: E402
-from specdec.runner import ModelRunner, SeqInput  # noqa: E402
 
 TARGET = "llama-7b"
 DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
@@ -29,15 +27,9 @@ BLOCK = 16
 
 
 def _graphed_forward_ms(model, batches: list[int]) -> dict[int, float]:
-    blocks_per_seq = -(-(CONTEXT + 8) // BLOCK)
     times = {}
     for b in batches:
-        runner = ModelRunner(model, CacheConfig(b * blocks_per_seq + 1, BLOCK, torch.bfloat16))
-        runner.enable_cuda_graphs(max_model_len=CONTEXT + 64, query_lens=(1,), batch_sizes=(b,))
-        for s in range(b):
-            runner.add_sequence(s)
-        runner.step([SeqInput(s, list(range(1, CONTEXT))) for s in range(b)])
-        batch = runner.prepare([SeqInput(s, [7]) for s in range(b)])
+        runner, batch = graphed_decode(model, b, CONTEXT, BLOCK)
         # The batch is staged into its graph's static inputs once (prepare: one host-to-device
         # copy); each timed forward is the replay and the copy of the logits it returns. (Runs
         # before the staging landed timed device-side copies into the graph's buffers as well.)

@@ -23,13 +23,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import KERNEL_SETS, SHAPES, copy_bandwidth, environment, kernel_set, model_config, table, write_result
+from common import (KERNEL_SETS, SHAPES, copy_bandwidth, environment, graphed_decode, kernel_set, model_config,
+                    table, write_result)
 
 import torch  # noqa: E402
 
-from specdec.config import CacheConfig  # noqa: E402
 from specdec.models.loader import build_model, init_random  # noqa: E402
-from specdec.runner import ModelRunner, SeqInput  # noqa: E402
 
 CONTEXT = 128
 BLOCK = 16
@@ -40,11 +39,11 @@ def trace_replay(replay) -> list[dict]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         replay()
         torch.cuda.synchronize()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
-    events = [e for e in json.loads(path.read_text())["traceEvents"]
-              if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    path.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = [e for e in json.loads(path.read_text())["traceEvents"]
+                  if e.get("cat") == "kernel" and e.get("ph") == "X"]
     events.sort(key=lambda e: e["ts"])
     return [{"name": e["name"], "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"]),
              "dur": float(e["dur"])} for e in events]
@@ -115,13 +114,7 @@ def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",)) -> 
 
 
 def _measure(model, cfg, shape: str, b: int, replays: int, bw: float) -> dict:
-    blocks = -(-(CONTEXT + 8) // BLOCK)
-    runner = ModelRunner(model, CacheConfig(b * blocks + 1, BLOCK, torch.bfloat16))
-    runner.enable_cuda_graphs(max_model_len=CONTEXT + 64, query_lens=(1,), batch_sizes=(b,))
-    for s in range(b):
-        runner.add_sequence(s)
-    runner.step([SeqInput(s, list(range(1, CONTEXT))) for s in range(b)])
-    runner.prepare([SeqInput(s, [7]) for s in range(b)])
+    runner, _ = graphed_decode(model, b, CONTEXT, BLOCK)
     graph = runner.graphs.graphs[(b, 1)].graph
     for _ in range(20):
         graph.replay()
@@ -131,7 +124,8 @@ def _measure(model, cfg, shape: str, b: int, replays: int, bw: float) -> dict:
     traces = [t[:n] for t in traces]
     labels = label(traces[0], cfg.num_layers)
     spans = [t[-1]["end"] - t[0]["start"] for t in traces]
-    per_kernel = [statistics.median(m[i] for m in map(marginals, traces)) for i in range(n)]
+    charged = [marginals(t) for t in traces]
+    per_kernel = [statistics.median(m[i] for m in charged) for i in range(n)]
     own = [statistics.median(t[i]["dur"] for t in traces) for i in range(n)]
     groups = collections.OrderedDict()
     for lab, m, d in zip(labels, per_kernel, own):
