@@ -36,11 +36,10 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import pdl
-from specdec.kernels.fused import _rotate_half
-from specdec.models.llama import qkv_rope_store
 
 MAX_M = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NORM_DTYPES = (torch.bfloat16, torch.float32)   # gemv(norm=...): bf16's range holds x * weight
 
 
 @triton.jit
@@ -53,33 +52,29 @@ def _silu_mul_rounded(g, u, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _norm_scale(SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """1 / RMS of each row from the producer's per-program sums of squares [num_parts, M], summed
-    in part order (deterministic)."""
-    offs_p = tl.arange(0, BLOCK_P)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
-        p = p0 + offs_p
-        part = tl.load(SS + p[None, :] * M + offs_m[:, None], mask=m_ok[:, None] & (p < num_parts)[None, :],
-                       other=0.0)
-        total += tl.sum(part, axis=1)
+def _partial_sums(SS, M, num_parts, p0, offs_m, m_ok, BLOCK_P: tl.constexpr):
+    """Partial sums of squares p0 + [0, BLOCK_P) of each row, [BLOCK_M, BLOCK_P] (0 past num_parts)."""
+    p = p0 + tl.arange(0, BLOCK_P)
+    return tl.load(SS + p[None, :] * M + offs_m[:, None], mask=m_ok[:, None] & (p < num_parts)[None, :], other=0.0)
+
+
+@triton.jit
+def _norm_scale(first, SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_P: tl.constexpr):
+    """1 / RMS of each row: the producer's per-program sums of squares [num_parts, M], `first` the
+    first BLOCK_P of them (loaded before the K loop, so their latency hides behind it), any further
+    ones loaded here; summed in part order (deterministic)."""
+    total = tl.sum(first, axis=1)
+    for p0 in range(BLOCK_P, num_parts, BLOCK_P):
+        total += tl.sum(_partial_sums(SS, M, num_parts, p0, offs_m, m_ok, BLOCK_P), axis=1)
     return tl.math.rsqrt(total / K + eps)
 
 
 @triton.jit
-def _normed(x, rstd, nw, DTYPE: tl.constexpr):
-    """RMSNorm's rounding (HF order, as fused.add_rmsnorm): x * rstd in fp32, cast to the dtype,
-    times the norm weight, cast again."""
-    y = (x.to(tl.float32) * rstd).to(DTYPE).to(tl.float32)
-    return (y * nw.to(tl.float32)).to(DTYPE)
-
-
-@triton.jit
-def _residual_out(acc, R, Y, SS, part, M, N, offs_m, offs_n, m_ok, n_ok, stride_r, stride_ym):
-    """The producer's epilogue: r = residual + y rounded to the dtype (torch's `residual + x`),
-    stored as the new residual stream, and this program's sum of r^2 per row into SS[part, m]."""
+def _residual_out(acc, res, Y, SS, part, M, offs_m, offs_n, m_ok, n_ok, stride_ym):
+    """The producer's epilogue: r = residual `res` (loaded before the K loop) + y rounded to the dtype
+    (torch's `residual + x`), stored as the new residual stream, and this program's sum of r^2 per row
+    into SS[part, m]."""
     mask = m_ok[:, None] & n_ok[None, :]
-    res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
     r = (acc.to(Y.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], r, mask=mask)
     rf = tl.where(mask, r.to(tl.float32), 0.0)
@@ -87,58 +82,26 @@ def _residual_out(acc, R, Y, SS, part, M, N, offs_m, offs_n, m_ok, n_ok, stride_
 
 
 @triton.jit
-def _rope_out(x1, x2, head, j0, Q, Cos, Sin, Slots, KC, VC, offs_m, m_ok, stride_qt, stride_qh, stride_ct,
-              stride_kb, stride_ks, stride_kh, num_heads, num_kv_heads, HT: tl.constexpr,
-              HEAD_D: tl.constexpr, PAGE: tl.constexpr):
-    """The qkv projection's epilogue with RoPE + KV store (fused.rope_store's rounding): x1 / x2 are
-    rows j0 + [0, HT) of one head's two halves, [BLOCK_M, HT] fp32 accumulators."""
-    DT: tl.constexpr = Q.dtype.element_ty
-    x1 = x1.to(DT).to(tl.float32)            # the projection's output, as gemv would store it
-    x2 = x2.to(DT).to(tl.float32)
-    jj = j0 + tl.arange(0, HT)
-    rows = offs_m.to(tl.int64)
-    if head < num_heads + num_kv_heads:       # q or k: rotate
-        c = tl.load(Cos + rows[:, None] * stride_ct + jj[None, :], mask=m_ok[:, None], other=0.0)
-        s = tl.load(Sin + rows[:, None] * stride_ct + jj[None, :], mask=m_ok[:, None], other=0.0)
-        o1, o2 = _rotate_half(x1, x2, c.to(DT).to(tl.float32), s.to(DT).to(tl.float32), DT)
-    else:
-        o1 = x1.to(DT)
-        o2 = x2.to(DT)
-    if head < num_heads:
-        q = Q + rows[:, None] * stride_qt + head * stride_qh + jj[None, :]
-        tl.store(q, o1, mask=m_ok[:, None])
-        tl.store(q + HEAD_D // 2, o2, mask=m_ok[:, None])
-    else:
-        slot = tl.load(Slots + rows, mask=m_ok, other=-1)
-        ok = (m_ok & (slot >= 0))[:, None]
-        base = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks
-        if head < num_heads + num_kv_heads:
-            cache = KC + base[:, None] + (head - num_heads) * stride_kh + jj[None, :]
-        else:
-            cache = VC + base[:, None] + (head - num_heads - num_kv_heads) * stride_kh + jj[None, :]
-        tl.store(cache, o1.to(cache.dtype.element_ty), mask=ok)
-        tl.store(cache + HEAD_D // 2, o2.to(cache.dtype.element_ty), mask=ok)
+def _weighted(x, nw, DTYPE: tl.constexpr):
+    """The norm consumer's operand: x * the norm weight, rounded to the dtype (its 1 / RMS scales the
+    product after the K loop)."""
+    return (x.to(tl.float32) * nw.to(tl.float32)).to(DTYPE)
 
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  stride_r, num_parts, eps,
-                 Cos, Sin, Slots, KC, VC, stride_ct, stride_qh, stride_kb, stride_ks, stride_kh,
-                 num_heads, num_kv_heads,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
-                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
-                 ROPE: tl.constexpr = False, HEAD_D: tl.constexpr = 2, PAGE: tl.constexpr = 1):
+                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
     rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
     RES_OUT (one split, no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS.
-    NORM_IN: x is the residual stream of such a producer and is RMS-normalised on the fly (SS, its
-    num_parts partial sums; NW, the norm weight; eps) before the product.
-    ROPE (one split): W is the qkv projection ((num_heads + 2 num_kv_heads) heads of HEAD_D rows);
-    a program's BLOCK_N rows are BLOCK_N / 2 rows of one head's first half and the matching rows of
-    its second half, and its epilogue is fused.rope_store's: RoPE(q) into Y ([M, num_heads, HEAD_D],
-    head stride stride_qh), RoPE(k) and v into the paged caches KC / VC at Slots (negative: none)."""
+    NORM_IN: x is the residual stream of such a producer and the product is RMSNorm(x) @ W^T:
+    (x * NW) @ W^T scaled by 1 / RMS, the RMS from SS (its num_parts partial sums) and eps.
+    Both load what their epilogue needs (the residual tile; the partial sums) before the K loop, so
+    that load's latency hides behind the weight stream instead of following it."""
     pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -148,14 +111,6 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
         col = pid_n * HALF + offs_r % HALF
         offs_n = col + (offs_r // HALF) * N             # W rows: gate rows, then the up rows
         n_ok = col < N
-    elif ROPE:
-        HT: tl.constexpr = BLOCK_N // 2
-        TILES: tl.constexpr = HEAD_D // BLOCK_N        # programs per head
-        head = pid_n // TILES
-        j0 = (pid_n % TILES) * HT
-        offs_r = tl.arange(0, BLOCK_N)
-        offs_n = head * HEAD_D + j0 + offs_r % HT + (offs_r // HT) * (HEAD_D // 2)
-        n_ok = offs_n < N
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -166,10 +121,11 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                   # [BLOCK_N, 1]
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                   # [BLOCK_M, 1]
     if NORM_IN:
-        rstd = _norm_scale(SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_M, BLOCK_P)   # [BLOCK_M]
+        sums = _partial_sums(SS, M, num_parts, 0, offs_m, m_ok, BLOCK_P)    # [BLOCK_M, BLOCK_P]
+    if RES_OUT and SPLIT == 1:
+        res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
+                      mask=m_ok[:, None] & n_ok[None, :], other=0.0)
     if BLOCK_M == 1:
-        if NORM_IN:
-            rstd1 = tl.sum(rstd, axis=0)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -177,13 +133,13 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(X + offs_k)
                 if NORM_IN:
-                    x = _normed(x, rstd1, tl.load(NW + offs_k), X.dtype.element_ty)
+                    x = _weighted(x, tl.load(NW + offs_k), X.dtype.element_ty)
             else:  # splits are whole BLOCK_Ks: only K's own end needs a mask (K % 16 keeps 16 B loads)
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(X + offs_k, mask=k_ok, other=0.0)
                 if NORM_IN:
-                    x = _normed(x, rstd1, tl.load(NW + offs_k, mask=k_ok, other=0.0), X.dtype.element_ty)
+                    x = _weighted(x, tl.load(NW + offs_k, mask=k_ok, other=0.0), X.dtype.element_ty)
             part += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
     else:
@@ -194,18 +150,19 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
                 if NORM_IN:
-                    x = _normed(x, rstd[:, None], tl.load(NW + offs_k)[None, :], X.dtype.element_ty)
+                    x = _weighted(x, tl.load(NW + offs_k)[None, :], X.dtype.element_ty)
             else:
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 if NORM_IN:
-                    x = _normed(x, rstd[:, None], tl.load(NW + offs_k, mask=k_ok, other=0.0)[None, :],
-                                X.dtype.element_ty)
+                    x = _weighted(x, tl.load(NW + offs_k, mask=k_ok, other=0.0)[None, :], X.dtype.element_ty)
             if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+    if NORM_IN:   # RMSNorm's 1 / RMS, a per-row factor: after the sum (split partials alike)
+        acc = acc * _norm_scale(sums, SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_P)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT > 1:  # fp32 partials of every W row (GLU: 2N columns), summed in split order
         n_ws = 2 * N if GLU else N
@@ -221,11 +178,7 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
             tl.store(y, _silu_mul_rounded(gate, up, Y.dtype.element_ty),
                      mask=m_ok[:, None] & (cols < N)[None, :])
         elif RES_OUT:
-            _residual_out(acc, R, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_r, stride_ym)
-        elif ROPE:
-            x1, x2 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HT]), [0, 2, 1]))
-            _rope_out(x1, x2, head, j0, Y, Cos, Sin, Slots, KC, VC, offs_m, m_ok, stride_ym, stride_qh,
-                      stride_ct, stride_kb, stride_ks, stride_kh, num_heads, num_kv_heads, HT, HEAD_D, PAGE)
+            _residual_out(acc, res, Y, SS, pid_n, M, offs_m, offs_n, m_ok, n_ok, stride_ym)
         else:
             y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
             tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
@@ -239,6 +192,8 @@ def _splitk_reduce_kernel(WS, B, Y, R, SS, M, N, stride_ym, stride_r, SPLIT: tl.
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
+    if RES_OUT:   # loaded first: its latency hides behind the partials' loads
+        res = tl.load(R + m.to(tl.int64) * stride_r + offs, mask=ok, other=0.0)[None, :]
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     n_ws = 2 * N if GLU else N
     for s in tl.static_range(SPLIT):  # fixed order: deterministic
@@ -255,8 +210,7 @@ def _splitk_reduce_kernel(WS, B, Y, R, SS, M, N, stride_ym, stride_r, SPLIT: tl.
         tl.store(Y + m.to(tl.int64) * stride_ym + offs, out, mask=ok)
     elif RES_OUT:
         rows = m + tl.arange(0, 1)
-        _residual_out(acc[None, :], R, Y, SS, tl.program_id(1), M, N, rows, offs, rows < M, ok,
-                      stride_r, stride_ym)
+        _residual_out(acc[None, :], res, Y, SS, tl.program_id(1), M, rows, offs, rows < M, ok, stride_ym)
     else:
         tl.store(Y + m.to(tl.int64) * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
@@ -317,8 +271,7 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, epilogue: str | None = None, *,
-         residual: torch.Tensor | None = None, norm: "NormInput | None" = None,
-         rope: "RopeStore | None" = None):
+         residual: torch.Tensor | None = None, norm: "NormInput | None" = None):
     """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
     dtype. epilogue="silu_mul": weight is [2I, K] (gate rows, then up rows) and the result is
     SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
@@ -327,13 +280,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Add + RMSNorm folded into the projections around it (opt-in, GemvOps(fuse_norm=True)):
     residual [M, N] (no epilogue): returns (residual + y, sums of squares [parts, M] fp32), the new
     residual stream rounded as torch's `residual + y` and each program's sum of its squares;
-    norm=NormInput(sums, weight, eps): x is such a residual stream and the product is taken with
-    RMSNorm(x) * weight (HF rounding, as fused.add_rmsnorm), its RMS from the partial sums.
-
-    rope=RopeStore(...) (weight: the qkv projection; opt-in, GemvOps(fuse_rope=True)): returns
-    RoPE(q) [M, H, D] and writes RoPE(k) and v into the paged caches, with the bits of this
-    projection followed by fused.rope_store where rope_keeps_bits says so (one kernel fewer per
-    layer). Always one split. Composes with norm=."""
+    norm=NormInput(sums, weight, eps): x is such a residual stream and the product is
+    RMSNorm(x) @ W^T taken as ((x * weight) rounded to the dtype) @ W^T times 1 / RMS (fp32, RMS from
+    the partial sums): RMSNorm's value, not its bits (it rounds x / RMS before the weight multiply).
+    The factor comes after the sum, so no load of the sums waits in front of the weight stream."""
     if epilogue not in (None, "silu_mul"):
         raise ValueError(f"gemv: epilogue {epilogue!r} is not None or 'silu_mul'")
     glu = epilogue == "silu_mul"
@@ -345,8 +295,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None and norm is not None:
         raise ValueError("gemv: residual= and norm= together (a producer's sums are its output)")
     _check_norm(norm, x)
-    if rope is not None:
-        return _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope)
     if m > MAX_M or weight.shape != (rows, k) or (bias is not None and bias.shape != (rows,)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit (M <= {MAX_M})")
@@ -388,12 +336,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         sums = torch.empty((triton.cdiv(n, block) if split > 1 else n_tiles, m), dtype=torch.float32,
                            device=x.device)
     res = residual if residual is not None else y
-    ss, nw, parts, eps, block_p = _norm_args(norm, y)
+    ss, nw, parts, eps, block_p = _norm_args(norm, y, cfg.block_m)
     ss = sums if sums is not None else ss
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles, split)](
         x, weight, b, y, ws, res, ss, nw, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps, *_NO_ROPE(y),
+        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
@@ -436,85 +384,26 @@ def _check_norm(norm: "NormInput | None", x: torch.Tensor) -> None:
                              or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
         raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} / sums "
                          f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
+    if norm is not None and x.dtype not in NORM_DTYPES:
+        raise ValueError(f"gemv: norm= takes {NORM_DTYPES}, not {x.dtype}: the consumer rounds x * weight to "
+                         "the dtype before 1 / RMS scales it, which overflows fp16 near its maximum")
 
 
-def _norm_args(norm: "NormInput | None", dummy: torch.Tensor) -> tuple:
+# Partial sums a norm consumer loads ahead of its K loop, per row of its tile: one load covers every
+# producer program at M = 1 (the 7B's o_proj has 512); 16-row tiles keep 128 (2048 fp32 values
+# held across the loop). H200, b 1: the consumer's sums loaded 64 at a time in front of the loop
+# cost the 7B decode 4083 us against 3716 without the fusion; all at once 3738, after the loop 3727.
+PARTS_AHEAD = {1: 1024, 16: 128}
+
+
+def _norm_args(norm: "NormInput | None", dummy: torch.Tensor, block_m: int) -> tuple:
     """(SS, NW, num_parts, eps, BLOCK_P) of a launch: the norm's (the kernel reads NW as NW + k, so
     contiguous), or a dummy tensor and zeros without one."""
     if norm is None:
         return dummy, dummy, 0, 0.0, 1
     parts = norm.sums.shape[0]
     return (norm.sums.contiguous(), norm.weight.contiguous(), parts, float(norm.eps),
-            min(64, triton.next_power_of_2(parts)))
-
-
-def _NO_ROPE(y: torch.Tensor) -> tuple:  # noqa: N802 - the rope arguments of a launch without ROPE
-    return (y, y, y, y, y, 0, 0, 0, 0, 0, 0, 0)
-
-
-class RopeStore(NamedTuple):
-    """What the qkv projection's RoPE + KV-store epilogue needs (fused.rope_store's arguments):
-    cos / sin [M, D/2] or [M, D], the caches [blocks, block_size, Hkv, D], slot per token."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slots: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def rope_keeps_bits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv(rope=...) has the bits of the plain projection followed by rope_store: where
-    the plain GEMV would split K (few N tiles: small models at M > 1) it sums per-split partials in
-    split order, and the epilogue's single pass sums K in another order (GemvOps keeps the separate
-    kernels there). fp32 models can still differ by an ulp: the compiler contracts RoPE's two
-    products into an FMA in the other order than rope_store's kernel (fp16 / bf16 products are
-    exact in fp32, so they cannot)."""
-    m, k = x.reshape(-1, x.shape[-1]).shape
-    return split_layout(k, default_config(m, weight.shape[0], k, _num_sms(x.device)))[1] == 1
-
-
-def _gemv_rope(x, weight, bias, config, epilogue, residual, norm, rope: RopeStore) -> torch.Tensor:
-    m, k = x.shape
-    h, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
-    kc, vc = rope.k_cache, rope.v_cache
-    if (epilogue is not None or residual is not None or weight.shape[0] != (h + 2 * hkv) * d or d % 2
-            or d < 16 or d & (d - 1) or m > MAX_M or x.dtype != weight.dtype or x.dtype not in _DTYPES
-            or kc.shape[2:] != (hkv, d) or vc.shape != kc.shape or vc.stride() != kc.stride()
-            or kc.stride(-1) != 1 or rope.cos.shape[0] != m or rope.cos.shape[1] not in (d, d // 2)
-            or rope.sin.shape != rope.cos.shape or rope.slots.shape != (m,)):
-        raise ValueError(f"gemv rope: x {tuple(x.shape)}, weight {tuple(weight.shape)}, heads {h}/{hkv}x{d}, "
-                         f"caches {tuple(kc.shape)}, cos {tuple(rope.cos.shape)}, slots "
-                         f"{tuple(rope.slots.shape)} do not fit (power-of-two head_dim >= 16, M <= {MAX_M})")
-    q = torch.empty((m, h, d), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return q
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos, sin = rope.cos, rope.sin      # the kernel reads both with cos's row stride
-    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
-        cos, sin = cos.contiguous(), sin.contiguous()
-    base = config or default_config(m, weight.shape[0], k, _num_sms(x.device))
-    if (m == 1) != (base.block_m == 1) or base.block_n < 2 or weight.stride(-1) != 1:
-        raise ValueError(f"gemv rope: config {base} does not serve M = {m} (block_n >= 2), or the weight "
-                         "rows are not contiguous")
-    # one split (the epilogue writes the outputs), a whole number of programs per head
-    cfg = GemvConfig(base.block_m, min(base.block_n, d), base.block_k, 1, base.num_warps, base.num_stages)
-    ss, nw, parts, eps, block_p = _norm_args(norm, q)
-    rows = weight.shape[0]
-    _gemv_kernel[(triton.cdiv(rows, cfg.block_n), 1)](
-        x, weight, bias if bias is not None else q, q, q, q, ss, nw, m, rows, k, split_layout(k, cfg)[0],
-        x.stride(0), weight.stride(0), q.stride(0), 0, parts, eps,
-        cos, sin, rope.slots, kc, vc, cos.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        h, hkv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=False, NORM_IN=norm is not None,
-        BLOCK_P=block_p, ROPE=True, HEAD_D=d, PAGE=kc.shape[1],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device))
-    return q
+            min(PARTS_AHEAD[block_m], triton.next_power_of_2(parts)))
 
 
 class NormInput(NamedTuple):
@@ -556,45 +445,36 @@ class GemvOps:
     every other step is the base set's. fuse_silu: the gate_up projection returns SiLU(gate) * up
     itself (gemv epilogue="silu_mul") where the GEMV serves the step.
 
-    fuse_norm (opt-in until timed on the GPU; one rank, no o / MLP bias): add + RMSNorm leaves
-    the layer as a kernel of its own. o_proj and down_proj come back unrun (RowLinear); the
-    add_rmsnorm after them runs the projection with the residual add in its epilogue, which
-    writes the new residual stream and each program's sum of squares, and returns a PendingNorm;
-    the qkv / gate_up projection that reads it normalises each K slice as it loads it, its RMS
-    from those sums in a fixed order (deterministic; not the bits of the separate kernel, whose
-    sum runs in another order). Where the GEMV does not serve a step (more than 16 tokens) each
-    piece runs as before. Two kernels fewer per layer."""
+    fuse_norm (one rank, no o / MLP bias, bf16 / fp32): add + RMSNorm leaves the layer as a kernel
+    of its own. o_proj and down_proj come back unrun (RowLinear); the add_rmsnorm after them runs
+    the projection with the residual add in its epilogue, which writes the new residual stream and
+    each program's sum of squares, and returns a PendingNorm; the qkv / gate_up projection that
+    reads it multiplies each K slice by the norm weight as it loads it and scales its sums by
+    1 / RMS (from those partial sums, in a fixed order: deterministic) at the end. RMSNorm's value,
+    not the separate kernel's bits. Two kernels fewer per layer. Only for steps of at most
+    norm_max_m tokens (default 1: single-token decode); larger steps run each piece as before.
+    H200, same weights, graphed decode (bench/timeline.py, decode.py, cost_coefficient.py): at
+    b 1 the forward took 3688 vs 3722 us (7B), 294 vs 309 (160m), 897 vs 946 (1.1B); at b 8 the
+    tl.dot path lost (7B 4.76 vs 4.10 ms), so M > 1 keeps the separate kernels."""
 
-    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False,
-                 fuse_rope: bool = False):
+    def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False):
         self.base = base
         self.on_cpu = on_cpu
         self.fuse_silu = fuse_silu
         self.fuse_norm = fuse_norm
-        self.fuse_rope = fuse_rope and base.name == "fused"   # the epilogue has fused.rope_store's bits
-        self.name = (base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
-                     + ("+rope" if self.fuse_rope else ""))
-
-    def qkv_rope(self, x, weight, bias, heads, cos, sin, kv_layer, batch, backend):
-        """fuse_rope: the qkv GEMV writes RoPE(q) and the caches itself where it serves the step
-        (reading a PendingNorm's stream normalised, too); otherwise projection, then rope_store."""
-        rows = x.r if isinstance(x, PendingNorm) else x
-        d = heads[2]
-        if (self.fuse_rope and rows.dim() == 2 and d >= 16 and not d & (d - 1)
-                and _serves(rows, weight, bias, self.on_cpu) and rope_keeps_bits(rows, weight)):
-            k_cache, v_cache = kv_layer
-            return gemv(rows, weight, bias, norm=x.norm if isinstance(x, PendingNorm) else None,
-                        rope=RopeStore(cos, sin, k_cache, v_cache, batch.slot_mapping, *heads))
-        return qkv_rope_store(self, x, weight, bias, heads, cos, sin, kv_layer, batch, backend)
+        self.norm_max_m = 1
+        self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
 
     def row_linear(self, x, weight):
-        if self.fuse_norm and x.dim() == 2 and _serves(x, weight, None, self.on_cpu):
+        if (self.fuse_norm and x.dim() == 2 and x.shape[0] <= self.norm_max_m
+                and _serves(x, weight, None, self.on_cpu)):
             return RowLinear(x, weight)
         return self.linear(x, weight)
 
     def add_rmsnorm(self, x, residual, norm):
         if isinstance(x, RowLinear):
-            if residual is not None and residual.shape == x.shape and residual.dtype == x.x.dtype == norm.weight.dtype:
+            if (residual is not None and residual.shape == x.shape
+                    and residual.dtype == x.x.dtype == norm.weight.dtype and residual.dtype in NORM_DTYPES):
                 r, sums = gemv(x.x, x.weight, residual=residual)
                 return PendingNorm(r, NormInput(sums, norm.weight, norm.eps)), r
         return self.base.add_rmsnorm(self.resolve(x), residual, norm)

@@ -38,9 +38,10 @@ _enabled: bool = os.environ.get("SPECDEC_PDL", "1") != "0"
 # no kernel here reaching launch_dependents before its wait. The immediate predecessor's writes,
 # with or without PDL, are only safe to read after enter().)
 # The attention kernel loads its query starts, context lengths and first page indices this way
-# (its predecessor is RoPE + KV store, or the qkv GEMV with RoPE in its epilogue: either writes q
-# and the new K/V only), RoPE + KV store its cos / sin rows and slots (its predecessor is the qkv
-# projection). Stores always follow enter().
+# (its predecessor is RoPE + KV store, which writes q and the new K/V only), RoPE + KV store its
+# cos / sin rows and slots (its predecessor is the qkv projection, which with the norm fusion also
+# reads the norm's partial sums and weight, and writes only its output). Stores always follow
+# enter().
 # Read at launch (graphs keep what they captured); SPECDEC_PDL_EARLY=0 or set_early_loads(False)
 # puts every load after enter().
 EARLY_LOADS: bool = os.environ.get("SPECDEC_PDL_EARLY", "1") != "0"

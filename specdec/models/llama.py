@@ -6,6 +6,7 @@ Linear layers are laid out for tensor parallelism: q/k/v and gate/up are column-
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,12 +97,6 @@ class TorchLayerOps:
         return cls.silu_mul(cls.linear(x, weight, bias))
 
     @classmethod
-    def qkv_rope(cls, x, weight, bias, heads, cos, sin, kv_layer, batch, backend):
-        """The qkv projection, then RoPE + KV store: q [T, H, D] (GemvOps(fuse_rope) does both in
-        one kernel)."""
-        return qkv_rope_store(cls, x, weight, bias, heads, cos, sin, kv_layer, batch, backend)
-
-    @classmethod
     def row_linear(cls, x, weight):
         """o_proj and down_proj, the projections into the residual stream (GemvOps(fuse_norm)
         defers them to the add + RMSNorm that follows)."""
@@ -111,15 +106,6 @@ class TorchLayerOps:
     def resolve(x):
         """x as a tensor (GemvOps(fuse_norm) may hold a projection or a norm not run yet)."""
         return x
-
-
-def qkv_rope_store(ops, x, weight, bias, heads, cos, sin, kv_layer, batch, backend):
-    """ops.linear for the qkv projection, split into q / k / v, then ops.rope_store."""
-    h, hkv, d = heads
-    t = x.shape[0]
-    q, k, v = ops.linear(x, weight, bias).split([h * d, hkv * d, hkv * d], dim=-1)
-    return ops.rope_store(q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d), cos, sin, kv_layer, batch,
-                          backend)
 
 
 class RowParallelLinear(nn.Module):
@@ -150,12 +136,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, batch: "ForwardBatch", backend, ops) -> torch.Tensor:
         t = x.shape[0]
-        # Keep qkv -> rope_store -> attend back to back (or the qkv GEMV with RoPE in its epilogue,
-        # then attend): under PDL the RoPE kernel loads cos / sin / slots and the attention kernel
-        # its lengths and page table before waiting for the kernel before them (kernels/pdl.py,
-        # EARLY_LOADS), so nothing launched in between may write them.
-        q = ops.qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias,
-                         (self.num_heads, self.num_kv_heads, self.head_dim), cos, sin, kv_layer, batch, backend)
+        # Keep qkv -> rope_store -> attend back to back: under PDL the RoPE kernel loads cos / sin /
+        # slots and the attention kernel its lengths and page table before waiting for the kernel
+        # before them (kernels/pdl.py, EARLY_LOADS), so nothing launched in between may write them.
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.rope_store(q.view(t, self.num_heads, self.head_dim),
+                           k.view(t, self.num_kv_heads, self.head_dim),
+                           v.view(t, self.num_kv_heads, self.head_dim), cos, sin, kv_layer, batch, backend)
         k_cache, v_cache = kv_layer
         out = backend.attend(q, k_cache, v_cache, batch, self.scale)         # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size), ops.row_linear)
@@ -200,8 +188,9 @@ class LlamaModel(nn.Module):
         self.fused_kernels = fused_kernels
         self.gemv_kernels = gemv_kernels
         self.gemv_silu = False  # SiLU * up in the gate_up projection's GEMV epilogue (set_gemv_silu)
-        self.gemv_norm = False  # add + RMSNorm folded into the GEMVs around it (set_gemv_norm)
-        self.gemv_rope = False  # RoPE + KV store in the qkv GEMV's epilogue (set_gemv_rope)
+        # add + RMSNorm folded into the GEMVs around it at decode steps (set_gemv_norm;
+        # SPECDEC_GEMV_NORM=0 turns it off)
+        self.gemv_norm = os.environ.get("SPECDEC_GEMV_NORM", "1") != "0"
         self._choose_ops()
         # Embedding and LM head are replicated on every rank (vocab-parallel is a later refinement).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -229,17 +218,10 @@ class LlamaModel(nn.Module):
         self._choose_ops()
 
     def set_gemv_norm(self, enabled: bool) -> None:
-        """With the GEMV: add + RMSNorm folded into the projections around it (GemvOps fuse_norm:
-        two kernels fewer per layer, not the separate kernel's bits); one rank and no o / MLP bias
-        only, else ignored; off by default until measured on the GPU."""
+        """With the GEMV: add + RMSNorm folded into the projections around it at single-token steps
+        (GemvOps fuse_norm: two kernels fewer per layer, RMSNorm's value but not the separate
+        kernel's bits); one rank, no o / MLP bias, bf16 / fp32 only, else ignored. On by default."""
         self.gemv_norm = enabled
-        self._choose_ops()
-
-    def set_gemv_rope(self, enabled: bool) -> None:
-        """With the GEMV and the fused kernels: RoPE + KV store in the qkv projection's epilogue
-        (GemvOps fuse_rope: one kernel fewer per layer, the same bits); off by default until
-        measured on the GPU."""
-        self.gemv_rope = enabled
         self._choose_ops()
 
     def _choose_ops(self) -> None:
@@ -252,7 +234,7 @@ class LlamaModel(nn.Module):
             from specdec.kernels.gemv import GemvOps
             cfg = self.config
             fuse_norm = self.gemv_norm and self.tp.size == 1 and not cfg.o_bias and not cfg.mlp_bias
-            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu, fuse_norm=fuse_norm, fuse_rope=self.gemv_rope)
+            self.ops = GemvOps(self.ops, fuse_silu=self.gemv_silu, fuse_norm=fuse_norm)
 
     @property
     def num_kv_heads_local(self) -> int:

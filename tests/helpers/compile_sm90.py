@@ -29,25 +29,18 @@ def compile_kernel(fn, types: dict[str, str], constexprs: dict, warps: int, stag
 
 def variants():
     gemv_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "R": "*bf16",
-                  "SS": "*fp32", "NW": "*bf16", "eps": "fp32", "Cos": "*fp32", "Sin": "*fp32",
-                  "Slots": "*i64", "KC": "*bf16", "VC": "*bf16"}
-    no_rope = dict(ROPE=False, HEAD_D=2, PAGE=1)
+                  "SS": "*fp32", "NW": "*bf16", "eps": "fp32"}
     for (bm, bn, bk, warps, stages), split, glu in itertools.product(
             [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [1, 4], [False, True]):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=glu, EVEN_K=split == 1,
-                 UPCAST=False, USE_PDL=True, GLU=glu, RES_OUT=False, NORM_IN=False, BLOCK_P=16, **no_rope)
+                 UPCAST=False, USE_PDL=True, GLU=glu, RES_OUT=False, NORM_IN=False, BLOCK_P=16)
         yield f"gemv M{bm} split{split} glu={glu}", gemv._gemv_kernel, gemv_types, c, warps, stages
-    for (bm, bn, bk, warps, stages), (res, norm) in itertools.product(
-            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [(True, False), (False, True)]):
+    for (bm, bn, bk, warps, stages), (res, norm, glu) in itertools.product(
+            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [(True, False, False), (False, True, False),
+                                                       (False, True, True)]):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=1, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
-                 USE_PDL=True, GLU=False, RES_OUT=res, NORM_IN=norm, BLOCK_P=64, **no_rope)
-        yield f"gemv M{bm} residual={res} norm={norm}", gemv._gemv_kernel, gemv_types, c, warps, stages
-    for (bm, bn, bk, warps, stages), norm in itertools.product([(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)],
-                                                              [False, True]):
-        c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=1, HAS_BIAS=True, EVEN_K=True, UPCAST=False,
-                 USE_PDL=True, GLU=False, RES_OUT=False, NORM_IN=norm, BLOCK_P=64, ROPE=True, HEAD_D=128,
-                 PAGE=16)
-        yield f"gemv M{bm} rope norm={norm}", gemv._gemv_kernel, gemv_types, c, warps, stages
+                 USE_PDL=True, GLU=glu, RES_OUT=res, NORM_IN=norm, BLOCK_P=gemv.PARTS_AHEAD[bm])
+        yield f"gemv M{bm} residual={res} norm={norm} glu={glu}", gemv._gemv_kernel, gemv_types, c, warps, stages
     for glu, res in ((False, False), (True, False), (False, True)):
         c = dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True, GLU=glu, RES_OUT=res)
         yield f"splitk_reduce glu={glu} residual={res}", gemv._splitk_reduce_kernel, gemv_types, c, 4, 1

@@ -108,9 +108,9 @@ def test_gemv_is_off_on_the_cpu_by_default_and_composes_with_the_layer_ops():
     model = build_model(tiny_config(), torch.float32, "cpu")
     assert not model.gemv_kernels and type(model.ops) is TorchLayerOps
     model.set_gemv_kernels(True)
-    assert isinstance(model.ops, GemvOps) and model.ops.name == "torch+gemv"
+    assert isinstance(model.ops, GemvOps) and model.ops.name == "torch+gemv+norm"   # norm fusion: on
     model.set_fused_kernels(True)
-    assert model.ops.name == "fused+gemv"
+    assert model.ops.name == "fused+gemv+norm"
     model.set_gemv_kernels(False)
     assert model.ops.name == "fused"
 
@@ -205,7 +205,7 @@ def test_fused_silu_gate_up_in_the_model_on_cpu():
     want = run_steps(new_runner(model, torch.float32))
     model.set_gemv_silu(True)
     model.ops.on_cpu = True
-    assert model.ops.name == "torch+gemv+silu" and model.ops.fuse_silu
+    assert model.ops.name == "torch+gemv+silu+norm" and model.ops.fuse_silu
     fused = []
     original = gemv_module.gemv
     gemv_module.gemv = lambda *a, **kw: fused.append(kw.get("epilogue")) or original(*a, **kw)
@@ -217,4 +217,4 @@ def test_fused_silu_gate_up_in_the_model_on_cpu():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     model.set_gemv_silu(False)
-    assert model.ops.name == "torch+gemv"
+    assert model.ops.name == "torch+gemv+norm"

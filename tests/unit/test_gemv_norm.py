@@ -1,8 +1,9 @@
 """Add + RMSNorm folded into the GEMVs around it (kernels/gemv.py: gemv(residual=...) and
 gemv(norm=NormInput(...)), GemvOps(fuse_norm=True)), on the CPU under TRITON_INTERPRET=1 and on the
 GPU: the producer's residual stream has torch's bits, its partial sums of squares add up to the
-row's, the consumer equals RMSNorm (HF rounding) followed by the plain GEMV, and a model with the
-fusion gives the logits of the separate kernels, falling back where the GEMV does not serve."""
+row's, the consumer equals RMSNorm followed by the plain GEMV (its value: the consumer scales by
+1 / RMS after the sum), and a model with the fusion gives the logits of the separate kernels,
+falling back where the GEMV does not serve."""
 import pytest
 import torch
 
@@ -46,6 +47,10 @@ def test_producer_and_consumer_match_the_separate_ops(dtype, m, cfg_i):
     torch.testing.assert_close(sums.sum(0), r.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
     nw = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
     w2 = (torch.randn(n2, n, generator=gen) * 0.1).to(dtype)
+    if dtype not in gemv_module.NORM_DTYPES:   # fp16: x * weight could overflow; refused
+        with pytest.raises(ValueError, match="overflows fp16"):
+            gemv(r, w2, norm=NormInput(sums, nw, 1e-5))
+        return
     for cfg2 in _configs(m):
         out = gemv(r, w2, config=cfg2, norm=NormInput(sums, nw, 1e-5))
         want = gemv(_norm_ref(r, nw, 1e-5), w2, config=cfg2)
@@ -74,9 +79,10 @@ def _model(device, dtype, **kw):
     return model
 
 
-def _set_norm(model, on: bool, device: str):
+def _set_norm(model, on: bool, device: str, max_m: int = 16):
     model.set_gemv_norm(on)
     model.ops.on_cpu = device == "cpu"
+    model.ops.norm_max_m = max_m     # 16: every step the GEMV serves (the default: 1-token steps)
 
 
 @pytest.mark.parametrize("device,dtype,tol", [("cpu", torch.float32, 1e-5),
@@ -147,3 +153,34 @@ def test_more_partial_sums_than_one_load_of_them():
     w2 = torch.randn(24, 560, generator=gen) * 0.1
     out = gemv(r, w2, norm=NormInput(sums, nw, 1e-5))
     torch.testing.assert_close(out, gemv(_norm_ref(r, nw, 1e-5), w2), rtol=1e-5, atol=1e-5)
+
+
+def test_by_default_only_single_token_steps_are_fused():
+    """norm_max_m = 1 (the tl.dot path of M > 1 measured slower on the H200): a one-sequence decode
+    step runs the fused producers and consumers, a two-token step the separate kernels; logits as
+    without the fusion either way."""
+    model = _model("cpu", torch.float32)
+    assert model.gemv_norm                    # on by default (SPECDEC_GEMV_NORM=0 turns it off)
+
+    def steps(on):
+        _set_norm(model, on, "cpu", max_m=1)
+        runner = new_runner(model, torch.float32)
+        runner.add_sequence("a")
+        calls, original = [], gemv_module.gemv
+
+        def spy(*a, **kw):
+            calls.append(kw.get("residual") is not None or kw.get("norm") is not None)
+            return original(*a, **kw)
+        gemv_module.gemv = spy
+        try:
+            out = [torch.cat(runner.step([SeqInput("a", toks)])) for toks in ([1, 2, 3], [4], [5, 6], [7])]
+        finally:
+            gemv_module.gemv = original
+        return out, calls
+
+    want, _ = steps(False)
+    got, calls = steps(True)
+    layers = model.config.num_layers
+    assert sum(calls) == 2 * 2 * (2 * layers - 1)   # two 1-token steps: producers + consumers
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
