@@ -35,13 +35,11 @@ SHAPES = {
 
 # The layer kernel sets a benchmark compares in one run; "default" is what the servers run on an H200.
 KERNEL_SETS = {
-    "default": dict(fused=True, gemv=True, pdl=True),
-    "silu_gemv": dict(fused=True, gemv=True, pdl=True, silu=True),  # SiLU * up in the gate_up GEMV
-    "norm_gemv": dict(fused=True, gemv=True, pdl=True, norm=True),  # add + RMSNorm folded into the GEMVs
-    "rope_gemv": dict(fused=True, gemv=True, pdl=True, rope=True),  # RoPE + KV store in the qkv GEMV
-    "norm_rope_gemv": dict(fused=True, gemv=True, pdl=True, norm=True, rope=True),  # both
-    "no_pdl": dict(fused=True, gemv=True, pdl=False),      # what programmatic dependent launch buys
-    "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys
+    "default": dict(fused=True, gemv=True, pdl=True, norm=True),
+    "silu_gemv": dict(fused=True, gemv=True, pdl=True, norm=True, silu=True),  # SiLU * up in the gate_up GEMV
+    "no_norm": dict(fused=True, gemv=True, pdl=True),  # add + RMSNorm as kernels of their own
+    "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
+    "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
 }
 
@@ -56,20 +54,21 @@ def kernel_set(model, name: str):
     model.set_gemv_kernels(chosen["gemv"])
     model.set_gemv_silu(chosen.get("silu", False))
     model.set_gemv_norm(chosen.get("norm", False))
-    model.set_gemv_rope(chosen.get("rope", False))
     with pdl.forced(chosen["pdl"]):
         yield
 
 
-def graphed_decode(model, batch: int, context: int = 128, block: int = 16):
+def graphed_decode(model, batch: int, context: int = 128, block: int = 16, max_model_len: int = 0):
     """(runner, staged batch): `batch` sequences of `context` tokens prefilled, a (batch, 1) CUDA
-    graph captured, and one decode step staged into it; runner.forward(staged) or the bucket's
-    graph.replay() then replays that step (cost_coefficient.py, timeline.py)."""
+    graph captured for sequences of up to max_model_len tokens (default context + 64; a server's
+    is its --max-model-len, which sets the attention's KV splits), and one decode step staged into
+    it; runner.forward(staged) or the bucket's graph.replay() then replays that step
+    (cost_coefficient.py, timeline.py)."""
     from specdec.config import CacheConfig
     from specdec.runner import ModelRunner, SeqInput
     blocks_per_seq = -(-(context + 8) // block)
     runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, block, torch.bfloat16))
-    runner.enable_cuda_graphs(max_model_len=context + 64, query_lens=(1,), batch_sizes=(batch,))
+    runner.enable_cuda_graphs(max_model_len=max_model_len or context + 64, query_lens=(1,), batch_sizes=(batch,))
     for s in range(batch):
         runner.add_sequence(s)
     runner.step([SeqInput(s, list(range(1, context))) for s in range(batch)])

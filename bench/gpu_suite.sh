@@ -7,7 +7,7 @@
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz), serving, attention, decode, cost, gemv, anatomy, timeline (TIMELINE_SETS: kernel
-#         sets, default "default norm_gemv rope_gemv norm_rope_gemv"), attention-grid. Suggested calls (each < 10 min):
+#         sets, default "default no_norm"), attention-grid. Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~200 s
 #   bash bench/gpu_suite.sh tests-attention       # ~300 s
 #   bash bench/gpu_suite.sh e2e numerics          # ~300 s (E2E_ARGS: more e2e.py arguments)
@@ -64,7 +64,7 @@ for s in "$@"; do
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;
     anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py; keep anatomy.json ;;
     timeline) run timeline "${TIMELINE_S:-150}" python3 bench/timeline.py --replays 5 \
-                --kernel-sets ${TIMELINE_SETS:-default norm_gemv rope_gemv norm_rope_gemv}; keep timeline.json ;;
+                --kernel-sets ${TIMELINE_SETS:-default no_norm}; keep timeline.json ;;
     attention-grid) run attention-grid "${GRID_S:-150}" python3 bench/attention_grid.py; keep attention_grid.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac

@@ -2,7 +2,7 @@
 (b, 1) bucket traced by torch.profiler (CUPTI), for each model shape.
 
     python3 bench/timeline.py [--shapes llama-7b llama-160m tinyllama-1.1b] [--batches 1] [--replays 7]
-                              [--kernel-sets default norm_gemv]
+                              [--kernel-sets default no_norm]
 
 With programmatic dependent launch a kernel starts while its predecessor still runs (it waits in
 griddepcontrol.wait), so a kernel's own duration overlaps the one before it. This charges each
@@ -66,27 +66,28 @@ def short(name: str) -> str:
 
 
 def label(kernels: list[dict], num_layers: int) -> list[str]:
-    """Each kernel's role: pre (before the first layer), L<i> (its kind and, for GEMVs, the
-    projection by order in the layer), post. The layer pattern is found from the add+RMSNorm kernel
-    that opens each layer (two per layer: before attention and before the MLP)."""
+    """Each kernel's role: pre (before the first norm), in a layer its kind (GEMVs by projection:
+    qkv, o, gate_up, down in order; a norm by the projection it feeds: attn / mlp), post (after the
+    last layer's down projection). The pattern is found from the GEMVs, four per layer and the LM
+    head, so it holds with add + RMSNorm as kernels of their own and folded into the GEMVs."""
     kinds = [short(k["name"]) for k in kernels]
-    norms = [i for i, k in enumerate(kinds) if k == "rmsnorm"]
-    if len(norms) < 2 * num_layers:
+    gemvs = [i for i, k in enumerate(kinds) if k in ("gemv", "gemm", "nvjet")]
+    if len(gemvs) != 4 * num_layers + 1:
         return kinds
-    starts = norms[0:2 * num_layers:2] + [norms[2 * num_layers] if len(norms) > 2 * num_layers else len(kinds)]
-    labels = list(kinds)
-    for i in range(starts[0]):
-        labels[i] = "pre " + kinds[i]
     proj = ("qkv", "o", "gate_up", "down")
-    for layer in range(num_layers):
-        g = 0
-        for i in range(starts[layer], starts[layer + 1]):
-            if kinds[i] in ("gemv", "gemm", "nvjet"):
-                labels[i] = f"gemv {proj[g] if g < len(proj) else g}"
-                g += 1
-            elif kinds[i] == "rmsnorm":
-                labels[i] = "rmsnorm " + ("attn" if i == starts[layer] else "mlp")
-    for i in range(starts[-1], len(kinds)):
+    labels = list(kinds)
+    role = {i: proj[n % 4] for n, i in enumerate(gemvs[:-1])}
+    norms = [i for i, k in enumerate(kinds) if k == "rmsnorm"]
+    first = min(norms[:1] + gemvs[:1])
+    for i in range(first):
+        labels[i] = "pre " + kinds[i]
+    for i in range(first, gemvs[-2] + 1):
+        if i in role:
+            labels[i] = "gemv " + role[i]
+        elif kinds[i] == "rmsnorm":
+            feeds = role[next(g for g in gemvs if g > i)]
+            labels[i] = "rmsnorm " + ("attn" if feeds == "qkv" else "mlp")
+    for i in range(gemvs[-2] + 1, len(kinds)):
         labels[i] = "post " + kinds[i]
     return labels
 
@@ -100,21 +101,21 @@ def weight_bytes(shape: str) -> dict[str, int]:
             "gemv down": 2 * inter * h, "post gemv": 2 * h * s["vocab_size"]}
 
 
-def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",)) -> list[dict]:
+def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max_model_len: int = 0) -> list[dict]:
     """One result per kernel set, all on the same weights."""
     cfg = model_config(shape)
     model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
     results = []
     for kset in ksets:
         with kernel_set(model, kset):
-            results.append({**_measure(model, cfg, shape, b, replays, bw), "kernel_set": kset})
+            results.append({**_measure(model, cfg, shape, b, replays, bw, max_model_len), "kernel_set": kset})
     del model
     torch.cuda.empty_cache()
     return results
 
 
-def _measure(model, cfg, shape: str, b: int, replays: int, bw: float) -> dict:
-    runner, _ = graphed_decode(model, b, CONTEXT, BLOCK)
+def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_len: int) -> dict:
+    runner, _ = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len)
     graph = runner.graphs.graphs[(b, 1)].graph
     for _ in range(20):
         graph.replay()
@@ -143,12 +144,14 @@ def _measure(model, cfg, shape: str, b: int, replays: int, bw: float) -> dict:
             g["frac_of_floor"] = g["floor_us_each"] / g["marginal_us_each"]
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del runner
-    return {"shape": shape, "batch": b, "context": CONTEXT, "kernels": n, "span_us": span,
+    return {"shape": shape, "batch": b, "context": CONTEXT, "max_model_len": max_model_len or CONTEXT + 64,
+            "kernels": n, "span_us": span,
             "weight_floor_us": total_bytes / bw * 1e6, "groups": list(groups.values())}
 
 
 def _print(r: dict) -> None:
-    print(f"\n{r['shape']} b {r['batch']} [{r['kernel_set']}]: {r['kernels']} kernels, replay span "
+    print(f"\n{r['shape']} b {r['batch']} [{r['kernel_set']}] max_model_len {r['max_model_len']}: "
+          f"{r['kernels']} kernels, replay span "
           f"{r['span_us']:.1f} us, weight floor {r['weight_floor_us']:.1f} us "
           f"({r['weight_floor_us'] / r['span_us']:.0%})")
     print(table(r["groups"], [("role", "kernel", ""), ("count", "n", ""),
@@ -163,13 +166,15 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--kernel-sets", nargs="+", default=["default"], choices=list(KERNEL_SETS),
-                    help="bench/common.KERNEL_SETS to trace, each on the same weights (e.g. default norm_gemv)")
+                    help="bench/common.KERNEL_SETS to trace, each on the same weights (e.g. default no_norm)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the graph bucket's longest sequence (a server's --max-model-len; default context + 64)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     results = []
     for shape in args.shapes:
         for b in args.batches:
-            for r in measure(shape, b, args.replays, bw, args.kernel_sets):
+            for r in measure(shape, b, args.replays, bw, args.kernel_sets, args.max_model_len):
                 results.append(r)
                 _print(r)
     write_result("timeline", {"benchmark": "timeline", "environment": environment(),

@@ -42,6 +42,18 @@ def test_labels_name_projections_by_order_in_each_layer():
     assert labels[-3:] == ["post rmsnorm", "post gemv", "post copy"]
 
 
+def test_labels_with_the_norms_folded_into_the_gemvs():
+    """The default on the GPU: one norm before the first layer and one before the LM head."""
+    fused = ["_gemv_kernel", "_rope_store_kernel", "_paged_attention_kernel", "_merge_splits_kernel",
+             "_gemv_kernel", "_gemv_kernel", "_silu_mul_kernel", "_gemv_kernel"]
+    names = ["indexSelectKernel", "_add_rmsnorm_kernel"] + fused * 2 + ["_add_rmsnorm_kernel", "_gemv_kernel"]
+    labels = label(_kernels(names, range(len(names)), [1] * len(names)), num_layers=2)
+    assert labels[:2] == ["pre index", "rmsnorm attn"]       # the embedding's norm feeds layer 0's qkv
+    assert labels[2:2 + len(fused)] == ["gemv qkv", "rope", "attention", "merge", "gemv o", "gemv gate_up",
+                                        "silu", "gemv down"]
+    assert labels[-2:] == ["post rmsnorm", "post gemv"]
+
+
 def test_labels_fall_back_to_kinds_when_the_layer_pattern_is_not_found():
     names = ["_gemv_kernel", "_add_rmsnorm_kernel", "_gemv_kernel"]
     assert label(_kernels(names, range(3), [1] * 3), num_layers=2) == ["gemv", "rmsnorm", "gemv"]
