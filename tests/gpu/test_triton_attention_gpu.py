@@ -1,6 +1,7 @@
 """Triton paged attention and KV store on the GPU: fp16/bf16 against a float64 oracle on fresh random
 inputs, the output poisoned with NaN before each run (an unwritten element fails, NaN never
 passes), and the runner's logits with the Triton backend against the torch backend."""
+import dataclasses
 import zlib
 
 import pytest
@@ -84,6 +85,35 @@ def test_inline_merge_graph_replays_reset_counters(splits):
         torch.cuda.synchronize()
         assert rel_error(out, reference_f64(batch, d ** -0.5)) < TOL[torch.bfloat16]
         assert not _tile_counters(out.device, 4096).any()
+
+
+@pytest.mark.parametrize("merge", ["separate", "inline"])
+def test_graph_sized_for_long_sequences_serves_short_ones(merge):
+    # A decode graph as a server captures it: the plan (and its split count) from a 4096-token
+    # bound, replayed on contexts that fill one, some or all of its splits (the rest see no keys).
+    h, hkv, d = 32, 8, 128
+    batch = random_paged_batch([1] * 4, [4000, 40, 129, 700], h, hkv, d, 16, torch.bfloat16, "cuda", seed=4)
+    out = torch.full_like(batch.q, float("nan"))
+
+    def call():
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                        batch.query_start_loc, 1, d ** -0.5, max_context_len=4096, out=out, merge=merge)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for lens in ([4000, 40, 129, 700], [3000, 1, 100, 17]):    # each within its sequence's pages
+        batch.context_lens.copy_(torch.tensor(lens, dtype=batch.context_lens.dtype))
+        batch = dataclasses.replace(batch, context_lens_host=lens)
+        batch.q.copy_(torch.randn(batch.q.shape, device="cuda", generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, reference_f64(batch, d ** -0.5)) < TOL[torch.bfloat16], lens
+    assert not _tile_counters(out.device, 4096).any()
 
 
 def test_float32_cache_is_exact_and_deterministic():
