@@ -266,6 +266,7 @@ class CoordinatorMetrics(_ProcessMetrics):
         self.stats = SpecStats(buckets, window_steps, ema_weight)
         self.max_positions = max_positions
         self._positions: dict[str, tuple] = {}
+        self._gauge_values: dict[tuple, float] = {}   # per-bucket gauges as last written
         for p in range(1, max_positions + 1):
             self._position_series(p)
         for stage in STAGES:
@@ -344,12 +345,12 @@ class CoordinatorMetrics(_ProcessMetrics):
         m["specdec_rejections_total"].inc(sum(1 for a, d in zip(accepted, drafted) if a < d))
         self._count_positions(drafted, accepted)
         for stage, seconds in stage_seconds.items():
-            m["specdec_stage_seconds"].labels(stage=stage).observe(seconds)
+            self._child("specdec_stage_seconds", stage=stage).observe(seconds)
         mode = "spec" if max(drafted) > 0 else "plain"
-        m["specdec_step_seconds"].labels(mode=mode).observe(step_seconds)
+        self._child("specdec_step_seconds", mode=mode).observe(step_seconds)
         overhead = step_overhead(step_seconds, draft_timing, target_timing)
         if overhead is not None:
-            m["specdec_step_overhead_seconds"].labels(mode=mode).observe(overhead)
+            self._child("specdec_step_overhead_seconds", mode=mode).observe(overhead)
         for role, timing in (("draft", draft_timing), ("target", target_timing)):
             if timing is not None and timing.step_seconds:
                 name = "specdec_server_step_seconds"
@@ -362,14 +363,17 @@ class CoordinatorMetrics(_ProcessMetrics):
         return window
 
     def _set_buckets(self) -> None:
-        st, m = self.stats, self._m
+        # Every bucket seen, every step (an estimate may follow another bucket's data), but a
+        # gauge is only written when its value moved: most buckets' do not in a given step.
+        st = self.stats
         for b in st.buckets_seen():
             for name, value in (("specdec_cost_coefficient", st.c.get(b)),
                                 ("specdec_system_cost_coefficient", st.c_system(b)),
                                 ("specdec_verify_cost_ratio", st.verify_ratio.get(b)),
                                 ("specdec_plain_step_seconds", st.plain_step_seconds(b))):
-                if value is not None:
-                    m[name].labels(batch=str(b)).set(value)
+                if value is not None and self._gauge_values.get((name, b)) != value:
+                    self._gauge_values[(name, b)] = value
+                    self._child(name, batch=str(b)).set(value)
 
     def _set_window(self, w: WindowStats) -> None:
         m = self._m
@@ -378,8 +382,8 @@ class CoordinatorMetrics(_ProcessMetrics):
                             ("specdec_mean_draft_length", w.mean_draft_length),
                             ("specdec_measured_speedup", w.measured_speedup)):
             m[name].set(_nan(value))
-        m["specdec_expected_speedup"].labels(basis="model").set(_nan(w.expected_speedup))
-        m["specdec_expected_speedup"].labels(basis="system").set(_nan(w.expected_speedup_system))
+        self._child("specdec_expected_speedup", basis="model").set(_nan(w.expected_speedup))
+        self._child("specdec_expected_speedup", basis="system").set(_nan(w.expected_speedup_system))
 
     def observe_first_token(self, seconds: float) -> None:
         """Time to first token of one request, observed when that token is emitted."""
@@ -392,7 +396,7 @@ class CoordinatorMetrics(_ProcessMetrics):
         TPOT = (duration - TTFT) / (output_tokens - 1), the mean gap between later tokens; a
         request with fewer than two tokens or without a first token has none.
         """
-        self._m["specdec_requests_total"].labels(code=code).inc()
+        self._child("specdec_requests_total", code=code).inc()
         self._m["specdec_request_duration_seconds"].observe(duration_seconds)
         if ttft_seconds is not None and output_tokens >= 2:
             tpot = max(duration_seconds - ttft_seconds, 0.0) / (output_tokens - 1)

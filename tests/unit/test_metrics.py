@@ -231,6 +231,28 @@ def test_coordinator_metrics_gauges_and_counters():
         cm.observe_step([1], [1], step_seconds=0.1, stage_seconds={"draft": 0.1})
 
 
+def test_bucket_gauges_follow_every_step_of_every_bucket():
+    """The per-bucket gauges are written only when their value moves; after each of many steps in
+    two buckets, with timings that change and repeat, each gauge reads what SpecStats holds."""
+    reg = CollectorRegistry()
+    cm = CoordinatorMetrics(reg, buckets=(1, 2, 4, 8))
+    rng = random.Random(3)
+    for step in range(40):
+        b = rng.choice([1, 8])
+        fwd = rng.choice([0.001, 0.002, 0.002, 0.004])
+        cm.observe_step([4] * b, [rng.randint(0, 4) for _ in range(b)], step_seconds=0.02,
+                        stage_seconds={"propose": 0.008},
+                        draft_timing=ServerTiming(fwd, fwd, batch_size=b),
+                        target_timing=ServerTiming(0.006, 0.005, batch_size=b))
+        s = scrape(reg)
+        for bucket in cm.stats.buckets_seen():
+            for name, want in (("specdec_cost_coefficient", cm.stats.c.get(bucket)),
+                               ("specdec_system_cost_coefficient", cm.stats.c_system(bucket)),
+                               ("specdec_plain_step_seconds", cm.stats.plain_step_seconds(bucket))):
+                if want is not None:
+                    assert value(s, name, batch=str(bucket)) == pytest.approx(want), (step, name, bucket)
+
+
 def test_step_overhead_is_step_time_outside_the_servers():
     reg = CollectorRegistry()
     cm = CoordinatorMetrics(reg, buckets=(1, 2, 4))
