@@ -277,7 +277,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
     the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry.
 
-    Add + RMSNorm folded into the projections around it (opt-in, GemvOps(fuse_norm=True)):
+    Add + RMSNorm folded into the projections around it (GemvOps(fuse_norm=True), the model's default):
     residual [M, N] (no epilogue): returns (residual + y, sums of squares [parts, M] fp32), the new
     residual stream rounded as torch's `residual + y` and each program's sum of its squares;
     norm=NormInput(sums, weight, eps): x is such a residual stream and the product is
