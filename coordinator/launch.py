@@ -10,6 +10,7 @@ Every process gets a free loopback port for gRPC and one for /metrics.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -32,10 +33,22 @@ class LaunchError(RuntimeError):
     """A process of the cluster died or did not become healthy; the message has its log's tail."""
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now and that this process has not handed out lately.
+
+    The kernel may give a port it just gave to a closed socket again, so two calls in a row can
+    return the same number; a server's gRPC and /metrics ports then collide and it dies at start-up
+    ("Failed to bind"). Remembering the recent ports rules that out within one process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
 
 
 @dataclass

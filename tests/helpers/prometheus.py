@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from coordinator.launch import free_port
 
 INSTALL_HINT = "apt-get install -y prometheus (Debian's package; `make test` does it as root)"
 
@@ -36,12 +37,6 @@ def require_prometheus() -> str:
     if binary is None:
         pytest.skip(f"no prometheus binary: {INSTALL_HINT}")
     return binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrometheusError(RuntimeError):

@@ -110,5 +110,5 @@ def test_healthcheck_script(health_server):
     assert run_healthcheck(f"127.0.0.1:{port}") == 0
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     assert run_healthcheck(f"127.0.0.1:{port}") == 1
-    from tests.helpers.prometheus import free_port
+    from coordinator.launch import free_port
     assert run_healthcheck(f"127.0.0.1:{free_port()}") == 1  # nothing listening
