@@ -23,7 +23,7 @@ import grpc
 from common import ROOT, hf_config
 
 from coordinator.client import AsyncClient  # noqa: E402
-from coordinator.launch import Proc, free_port, spawn_server, stop_all, wait_healthy  # noqa: E402
+from coordinator.launch import Proc, free_port, spawn_server, start_healthy, start_process, stop_all  # noqa: E402
 from specdec.config import ModelConfig  # noqa: E402
 from specdec.metrics import Samples, scrape  # noqa: E402
 
@@ -81,7 +81,7 @@ def model_servers(specs: Sequence[tuple[str, Path, str, Sequence[str]]], log_dir
         for role, model, device, args in specs:
             procs.append(spawn_server(role, model, log_dir, device=device, args=args, cpu_threads=1))
         for proc in procs:
-            wait_healthy(proc, timeout)
+            start_healthy(proc, timeout)
         yield procs
     finally:
         stop_all(procs)
@@ -111,12 +111,11 @@ def coordinator(target: Proc, draft: Proc | None, log_dir: Path, args: Sequence[
         argv += ["--draft", draft.address]
     if metrics_port:
         argv += ["--metrics-port", str(metrics_port)]
-    proc = Proc("coordinator", f"127.0.0.1:{port}", None, log_dir / "coordinator.log", argv, _env())
-    with open(proc.log_path, "ab") as log:
-        proc.popen = subprocess.Popen(argv, cwd=ROOT, env=proc.env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+    proc = start_process(Proc("coordinator", f"127.0.0.1:{port}", None, log_dir / "coordinator.log", argv, _env(),
+                              metrics_address=f"127.0.0.1:{metrics_port}" if metrics_port else None))
     try:
-        wait_healthy(proc, timeout)
+        start_healthy(proc, timeout)
+        metrics_port = int(proc.metrics_address.rsplit(":", 1)[1]) if metrics_port else None
         yield Coordinator(proc, metrics_port)
     finally:
         stop_all([proc])

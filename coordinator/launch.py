@@ -60,6 +60,15 @@ class Proc:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     metrics_address: str | None = None  # host:port of its /metrics
+    log_start: int = 0  # the log's size when this run of the process started
+
+    def log_since_start(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -107,22 +116,58 @@ def _spawn(name: str, module: str, args: Sequence[str], port: int, log_dir: Path
     log_path = log_dir / f"{name}.log"
     metrics_port = free_port()
     argv = [sys.executable, "-m", module, *args, "--metrics-port", str(metrics_port)]
-    return _start(Proc(name, f"127.0.0.1:{port}", None, log_path, argv, env,
+    return start_process(Proc(name, f"127.0.0.1:{port}", None, log_path, argv, env,
                        metrics_address=f"127.0.0.1:{metrics_port}"))
 
 
-def _start(proc: Proc) -> Proc:
+def start_process(proc: Proc) -> Proc:
+    """Runs proc.argv in a new session, output appended to its log; sets proc.popen."""
     with open(proc.log_path, "ab") as log:
+        proc.log_start = log.tell()
         proc.popen = subprocess.Popen(proc.argv, cwd=REPO_ROOT, env=proc.env, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
     return proc
+
+
+_BIND_FAILURES = ("Failed to bind to address", "Address already in use")
+
+
+def start_healthy(proc: Proc, timeout: float, attempts: int = 3) -> Proc:
+    """wait_healthy for a process whose ports free_port chose: when another process took one of them
+    between the choice and the bind (any outgoing connection's ephemeral port can), the process dies
+    saying so at once; it is then started again on fresh ports, up to `attempts` runs in all."""
+    for attempt in range(1, attempts + 1):
+        try:
+            wait_healthy(proc, timeout)
+            return proc
+        except LaunchError:
+            lost_port = proc.popen.poll() is not None and any(
+                m in proc.log_since_start() for m in _BIND_FAILURES)
+            if attempt == attempts or not lost_port:
+                raise
+        _fresh_ports(proc)
+        start_process(proc)
+    raise AssertionError("unreachable")
+
+
+def _fresh_ports(proc: Proc) -> None:
+    """New free ports for the --port and --metrics-port values of proc's command line."""
+    argv = proc.argv
+    for flag in ("--port", "--metrics-port"):
+        if flag in argv:
+            i = argv.index(flag) + 1
+            if int(argv[i]) > 0:
+                argv[i] = str(free_port())
+    proc.address = f"{proc.address.rsplit(':', 1)[0]}:{argv[argv.index('--port') + 1]}"
+    if proc.metrics_address is not None:
+        proc.metrics_address = f"127.0.0.1:{argv[argv.index('--metrics-port') + 1]}"
 
 
 def restart(proc: Proc, timeout: float = 120.0) -> Proc:
     """Stops (if needed) and starts a process again with the same command line, address and log;
     waits for its health. Tests use it to take a server away and bring it back."""
     stop_all([proc])
-    wait_healthy(_start(proc), timeout)
+    wait_healthy(start_process(proc), timeout)
     return proc
 
 
@@ -177,7 +222,7 @@ def local_cluster(target: str | Path, draft: str | Path | None, *, device: str =
                                   args=server_args, cpu_threads=cpu_threads)
             procs.append(d_proc)
         for proc in procs:
-            wait_healthy(proc, startup_timeout)
+            start_healthy(proc, startup_timeout)
         c_port = coordinator_port or free_port()
         c_args = ["--target", procs[0].address, "--host", "127.0.0.1", "--port", str(c_port),
                   *coordinator_args]
@@ -185,7 +230,7 @@ def local_cluster(target: str | Path, draft: str | Path | None, *, device: str =
             c_args += ["--draft", d_proc.address]
         coord = _spawn("coordinator", "coordinator", c_args, c_port, log_dir)
         procs.insert(0, coord)  # stopped first: it releases the servers' KV on the way out
-        wait_healthy(coord, startup_timeout)
+        start_healthy(coord, startup_timeout, attempts=1 if coordinator_port else 3)
         yield Cluster(target=procs[1].address, draft=d_proc.address if d_proc else None,
                       coordinator=coord.address, procs={p.name: p for p in procs}, log_dir=log_dir,
                       metrics={p.name.removesuffix("_server"): p.metrics_address for p in procs})
