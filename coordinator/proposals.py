@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from protos import specdec_pb2 as pb
-from protos.wire import WireError, repeats_a_column, unpack_ids
+from protos.wire import WireError, sparse_positions, unpack_ids
 
 _DENSE = (pb.PROBS_ENCODING_DENSE_FP16, pb.PROBS_ENCODING_DENSE_BF16)
 
@@ -58,21 +58,10 @@ def _check_probs(probs: pb.Probs, rows: int, vocab_size: int) -> None:
         return
     if probs.encoding != pb.PROBS_ENCODING_SPARSE_FP16:
         raise BadProposal(f"probs.encoding: unknown value {probs.encoding}")
-    if len(probs.row_lengths) != 4 * rows:
-        raise BadProposal(f"probs.row_lengths: {len(probs.row_lengths)} bytes for {rows} rows")
-    lengths = np.frombuffer(probs.row_lengths, dtype="<i4").astype(np.int64)
-    if ((lengths < 0) | (lengths > vocab_size)).any():
-        raise BadProposal(f"probs.row_lengths: each must be in 0..{vocab_size}")
-    nnz = int(lengths.sum())
-    if len(probs.indices) != 4 * nnz or len(probs.values) != 2 * nnz:
-        raise BadProposal(f"probs: {nnz} nonzeros need {4 * nnz} index and {2 * nnz} value bytes, "
-                          f"got {len(probs.indices)} and {len(probs.values)}")
-    cols = np.frombuffer(probs.indices, dtype="<i4").astype(np.int64)
-    if nnz and (cols.min() < 0 or cols.max() >= vocab_size):
-        raise BadProposal(f"probs.indices: a column outside 0..{vocab_size - 1}")
-    row_of = np.repeat(np.arange(rows), lengths)
-    if repeats_a_column(row_of * vocab_size + cols):
-        raise BadProposal("probs.indices: a column appears twice in one row")
+    try:
+        sparse_positions(rows, vocab_size, probs.row_lengths, probs.indices, len(probs.values))
+    except WireError as e:
+        raise BadProposal(f"probs.{e}") from None
     values = np.frombuffer(probs.values, dtype="<f2")
     if not (np.isfinite(values) & (values >= 0)).all():
         raise BadProposal("probs.values: must be finite and >= 0")

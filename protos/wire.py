@@ -31,3 +31,27 @@ def repeats_a_column(flat: np.ndarray) -> bool:
     if flat.size < 2 or bool((flat[1:] > flat[:-1]).all()):
         return False
     return np.unique(flat).size != flat.size
+
+
+def sparse_positions(rows: int, vocab_size: int, row_lengths: bytes, indices: bytes,
+                     value_bytes: int) -> np.ndarray:
+    """The flat positions (row * vocab_size + column, int64) of a sparse fp16 block's nonzeros, after
+    checking its layout: one int32 length per row in 0..vocab_size, an int32 column and a 16-bit
+    value per nonzero, columns inside the vocabulary and none twice in a row. WireError names the
+    field. The values themselves are the caller's to check."""
+    if len(row_lengths) != 4 * rows:
+        raise WireError(f"row_lengths: {len(row_lengths)} bytes for {rows} rows")
+    lengths = np.frombuffer(row_lengths, dtype="<i4").astype(np.int64)
+    if ((lengths < 0) | (lengths > vocab_size)).any():
+        raise WireError(f"row_lengths: each must be in 0..{vocab_size}")
+    nnz = int(lengths.sum())
+    if len(indices) != 4 * nnz or value_bytes != 2 * nnz:
+        raise WireError(f"indices: {nnz} nonzeros need {4 * nnz} index and {2 * nnz} value bytes, "
+                        f"got {len(indices)} and {value_bytes}")
+    cols = np.frombuffer(indices, dtype="<i4").astype(np.int64)
+    if nnz and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
+        raise WireError(f"indices: a column outside 0..{vocab_size - 1}")
+    flat = np.repeat(np.arange(rows, dtype=np.int64) * vocab_size, lengths) + cols
+    if repeats_a_column(flat):
+        raise WireError("indices: a column appears twice in one row")
+    return flat

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protos.wire import repeats_a_column
+from protos.wire import WireError, sparse_positions
 from specdec.staging import to_device
 
 TRANSPORT_DTYPES = {"DENSE_FP16": torch.float16, "DENSE_BF16": torch.bfloat16}
@@ -280,21 +280,10 @@ def decode_probs(values: bytes, rows: int, vocab_size: int, encoding: str = "DEN
         _check_weights(bits, wire_dtype, fail)
         has_mass = bits.reshape(rows, vocab_size).max(axis=1) > 0 if rows else None
     else:
-        if len(row_lengths) != 4 * rows:
-            fail("row_lengths", f"needs {4 * rows} bytes for {rows} rows, got {len(row_lengths)}")
-        lengths = np.frombuffer(row_lengths, dtype="<i4").astype(np.int64)
-        if (lengths < 0).any() or (lengths > vocab_size).any():
-            fail("row_lengths", f"each must be in 0..{vocab_size}")
-        nnz = int(lengths.sum())
-        if len(indices) != 4 * nnz or len(values) != 2 * nnz:
-            fail("indices", f"{nnz} nonzeros need {4 * nnz} index and {2 * nnz} value bytes, "
-                            f"got {len(indices)} and {len(values)}")
-        cols = np.frombuffer(indices, dtype="<i4").astype(np.int64)
-        if nnz and (int(cols.min()) < 0 or int(cols.max()) >= vocab_size):
-            fail("indices", f"column outside 0..{vocab_size - 1}")
-        flat = np.repeat(np.arange(rows, dtype=np.int64) * vocab_size, lengths) + cols
-        if repeats_a_column(flat):
-            fail("indices", "a column appears twice in one row")
+        try:
+            flat = sparse_positions(rows, vocab_size, row_lengths, indices, len(values))
+        except WireError as e:
+            raise ProbsDecodeError(f"draft_probs.{e}") from None
         vals = np.frombuffer(values, dtype="<i2").astype(np.int16)
         _check_weights(vals, wire_dtype, fail)
         has_mass = np.zeros(rows, dtype=bool)
