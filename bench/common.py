@@ -58,17 +58,44 @@ def kernel_set(model, name: str):
         yield
 
 
-def graphed_decode(model, batch: int, context: int = 128, block: int = 16, max_model_len: int = 0):
+def graph_variant(spec: str) -> tuple[str, int, tuple[int, ...]]:
+    """A kernel set with a server's graph bounds: "NAME[@MAX_MODEL_LEN[+C...]]" -> (kernel set,
+    max_model_len or 0 for the benchmark's own, the shorter context bounds). "default@4096+256":
+    the default kernels, graphs for 4096-token sequences and a set for contexts of up to 256
+    (--max-model-len 4096 --graph-context-lens 256 on a server; cuda_graphs.GraphSets)."""
+    name, _, bounds = spec.partition("@")
+    if name not in KERNEL_SETS:
+        raise ValueError(f"unknown kernel set {name!r} in {spec!r}; known: {', '.join(KERNEL_SETS)}")
+    if not bounds:
+        return name, 0, ()
+    mml, *short = bounds.split("+")
+    return name, int(mml), tuple(int(c) for c in short)
+
+
+def variant_arg(spec: str) -> str:
+    """argparse type of a graph_variant spec."""
+    import argparse
+    try:
+        graph_variant(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def graphed_decode(model, batch: int, context: int = 128, block: int = 16, max_model_len: int = 0,
+                   context_lens: tuple[int, ...] = ()):
     """(runner, staged batch): `batch` sequences of `context` tokens prefilled, a (batch, 1) CUDA
     graph captured for sequences of up to max_model_len tokens (default context + 64; a server's
-    is its --max-model-len, which sets the attention's KV splits), and one decode step staged into
-    it; runner.forward(staged) or the bucket's graph.replay() then replays that step
-    (cost_coefficient.py, timeline.py)."""
+    is its --max-model-len, which sets the attention's KV splits; context_lens: its
+    --graph-context-lens), and one decode step staged into it; runner.forward(staged) or
+    runner.graphs.staged_graph(staged).graph.replay() then replays that step (cost_coefficient.py,
+    timeline.py)."""
     from specdec.config import CacheConfig
     from specdec.runner import ModelRunner, SeqInput
     blocks_per_seq = -(-(context + 8) // block)
     runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, block, torch.bfloat16))
-    runner.enable_cuda_graphs(max_model_len=max_model_len or context + 64, query_lens=(1,), batch_sizes=(batch,))
+    runner.enable_cuda_graphs(max_model_len=max_model_len or context + 64, query_lens=(1,), batch_sizes=(batch,),
+                              context_lens=context_lens)
     for s in range(batch):
         runner.add_sequence(s)
     runner.step([SeqInput(s, list(range(1, context))) for s in range(batch)])

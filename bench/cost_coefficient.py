@@ -5,6 +5,7 @@ weights in one run ("default" is the servers' CUDA default), beside the weight-b
 transformers eager.
 
     python3 bench/cost_coefficient.py [--batches 1 8 32] [--sets default no_pdl cublas torch_ops] [--no-hf]
+    python3 bench/cost_coefficient.py --batches 1 8 --sets default default@4096 default@4096+256 --no-hf
 
 Writes bench/results/cost_coefficient.json.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import KERNEL_SETS, environment, graphed_decode, hf_config, kernel_set, model_config, table, write_result
+from common import (KERNEL_SETS, environment, graph_variant, graphed_decode, hf_config, kernel_set, model_config, table,
+                    variant_arg, write_result)
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -26,10 +28,11 @@ CONTEXT = 128
 BLOCK = 16
 
 
-def _graphed_forward_ms(model, batches: list[int]) -> dict[int, float]:
+def _graphed_forward_ms(model, batches: list[int], max_model_len: int = 0,
+                        context_lens: tuple[int, ...] = ()) -> dict[int, float]:
     times = {}
     for b in batches:
-        runner, batch = graphed_decode(model, b, CONTEXT, BLOCK)
+        runner, batch = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len, context_lens)
         # The batch is staged into its graph's static inputs once (prepare: one host-to-device
         # copy); each timed forward is the replay and the copy of the logits it returns. (Runs
         # before the staging landed timed device-side copies into the graph's buffers as well.)
@@ -45,8 +48,9 @@ def ours_forward_ms(shape: str, batches: list[int], sets: list[str]) -> tuple[di
     times, errors = {}, {}
     for name in sets:
         try:
-            with kernel_set(model, name):
-                times[name] = _graphed_forward_ms(model, batches)
+            kset, max_model_len, context_lens = graph_variant(name)
+            with kernel_set(model, kset):
+                times[name] = _graphed_forward_ms(model, batches, max_model_len, context_lens)
         except Exception as exc:  # keep the run useful: say why, measure the other sets
             errors[name] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"{shape} {name}: {errors[name]}", flush=True)
@@ -85,8 +89,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--sets", nargs="+", default=list(KERNEL_SETS), choices=list(KERNEL_SETS),
-                    help="kernel sets to time; c is reported for each, the first is the main column")
+    ap.add_argument("--sets", nargs="+", default=list(KERNEL_SETS), type=variant_arg,
+                    help="kernel sets to time; c is reported for each, the first is the main column. "
+                         "NAME@MAX_MODEL_LEN[+C...] times a server's graph bounds (default@4096: graphs "
+                         "for 4096-token sequences, as a server's --max-model-len 4096; default@4096+256: "
+                         "with --graph-context-lens 256); plain names use the context + 64")
     args = ap.parse_args()
     sets = ["default"] + [n for n in args.sets if n != "default"]
     env = environment()
@@ -116,7 +123,7 @@ def main() -> int:
                 r["hf_c"] = hf[shape][b] / hf[TARGET][b]
             rows.append(r)
     result = {"benchmark": "cost_coefficient", "target": TARGET, "context": CONTEXT, "environment": env,
-              "kernel_sets": {n: KERNEL_SETS[n] for n in sets}, "weight_bytes": sizes, "rows": rows,
+              "kernel_sets": {n: KERNEL_SETS[graph_variant(n)[0]] for n in sets}, "weight_bytes": sizes, "rows": rows,
               "forward_ms": ours, "transformers_eager_ms": hf, "errors": errors}
     path = write_result("cost_coefficient", result)
     columns = [("draft", "draft", "s"), ("batch", "batch", "d"), ("draft_ms", "draft ms", ".3f"),

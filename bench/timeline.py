@@ -23,8 +23,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import (KERNEL_SETS, SHAPES, copy_bandwidth, environment, graphed_decode, kernel_set, model_config,
-                    table, write_result)
+from common import (SHAPES, copy_bandwidth, environment, graph_variant, graphed_decode, kernel_set, model_config,
+                    table, variant_arg, write_result)
 
 import torch  # noqa: E402
 
@@ -102,21 +102,26 @@ def weight_bytes(shape: str) -> dict[str, int]:
 
 
 def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max_model_len: int = 0) -> list[dict]:
+    """ksets: kernel sets, each optionally with a server's graph bounds (common.graph_variant:
+    "default@4096+256"); max_model_len is the bound of those without."""
     """One result per kernel set, all on the same weights."""
     cfg = model_config(shape)
     model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
     results = []
-    for kset in ksets:
+    for spec in ksets:
+        kset, mml, context_lens = graph_variant(spec)
         with kernel_set(model, kset):
-            results.append({**_measure(model, cfg, shape, b, replays, bw, max_model_len), "kernel_set": kset})
+            results.append({**_measure(model, cfg, shape, b, replays, bw, mml or max_model_len, context_lens),
+                            "kernel_set": spec})
     del model
     torch.cuda.empty_cache()
     return results
 
 
-def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_len: int) -> dict:
-    runner, _ = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len)
-    graph = runner.graphs.graphs[(b, 1)].graph
+def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_len: int,
+             context_lens: tuple[int, ...] = ()) -> dict:
+    runner, staged = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len, context_lens)
+    graph = runner.graphs.staged_graph(staged).graph
     for _ in range(20):
         graph.replay()
     torch.cuda.synchronize()
@@ -145,6 +150,7 @@ def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del runner
     return {"shape": shape, "batch": b, "context": CONTEXT, "max_model_len": max_model_len or CONTEXT + 64,
+            "context_lens": list(context_lens),
             "kernels": n, "span_us": span,
             "weight_floor_us": total_bytes / bw * 1e6, "groups": list(groups.values())}
 
@@ -165,8 +171,10 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["llama-7b", "llama-160m", "tinyllama-1.1b"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--replays", type=int, default=7)
-    ap.add_argument("--kernel-sets", nargs="+", default=["default"], choices=list(KERNEL_SETS),
-                    help="bench/common.KERNEL_SETS to trace, each on the same weights (e.g. default no_norm)")
+    ap.add_argument("--kernel-sets", nargs="+", default=["default"], type=variant_arg,
+                    help="bench/common.KERNEL_SETS to trace, each on the same weights (e.g. default no_norm); "
+                         "NAME@MAX_MODEL_LEN[+C...] also sets a server's graph bounds (default@4096 "
+                         "default@4096+256: --max-model-len 4096, without and with --graph-context-lens 256)")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the graph bucket's longest sequence (a server's --max-model-len; default context + 64)")
     args = ap.parse_args()

@@ -203,6 +203,9 @@ class EngineConfig:
     # Prompt-chunk bounds of the prefill graphs (steps mixing a prompt with decode/verify tokens,
     # cuda_graphs.py); () none; None: DEFAULT_GRAPH_PREFILL_LENS up to max_model_len
     graph_prefill_lens: tuple[int, ...] | None = None
+    # Shorter context bounds, each with a decode/verify graph set of its own, planned for that
+    # bound (cuda_graphs.GraphSets: fewer KV splits at short contexts); () only max_model_len's
+    graph_context_lens: tuple[int, ...] = ()
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)
     # with random_weights: weights whose greedy next token agrees with a shared reference map on this
     # fraction of the vocabulary (models/synthetic.py; the target 1.0, a draft its α); None: plain
@@ -227,8 +230,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
                 raise ConfigError(f"{name} must be positive, got {value}")
-        if self.graph_prefill_lens and min(self.graph_prefill_lens) < 1:
-            raise ConfigError(f"graph_prefill_lens must be positive, got {self.graph_prefill_lens}")
+        for name in ("graph_prefill_lens", "graph_context_lens"):
+            value = getattr(self, name)
+            if value and min(value) < 1:
+                raise ConfigError(f"{name} must be positive, got {value}")
         if self.random_agreement is not None:
             if not self.random_weights:
                 raise ConfigError("random_agreement needs random_weights")

@@ -31,6 +31,11 @@ with no host work between them; the KV slots of all k - 1 positions are reserved
 with the draft's sampler in place of the argmax: each step draws its tokens with the sampler's
 staged parameters and that position's staged uniforms, writing the sampler's output rows
 (sampling/graphs.GraphedSampler.chain_pick).
+
+Context bounds (GraphSets, --graph-context-lens): the attention's KV split count is planned at
+capture from the context bound, so graphs for max_model_len split a short context as if it were
+that long. GraphSets keeps the decode/verify buckets once more for each shorter bound and stages a
+step on the shortest set whose block tables hold it.
 """
 from __future__ import annotations
 
@@ -114,7 +119,9 @@ class GraphCaptures:
 class GraphedForward(GraphCaptures):
     def __init__(self, runner, max_model_len: int, query_lens: tuple[int, ...] = (1,),
                  batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, chains: bool = False,
-                 prefill_lens: tuple[int, ...] = ()):
+                 prefill_lens: tuple[int, ...] = (), share: GraphedForward | None = None):
+        """share: another set of the same runner (GraphSets) whose memory pool and logits buffer
+        this one uses too (their graphs never replay at the same time)."""
         self._check_device(runner.device)
         # Hold the runner's parts, not the runner: runner -> graphs -> runner would be a reference
         # cycle, freed by the garbage collector at an arbitrary time, and a CUDA graph freed while
@@ -138,20 +145,34 @@ class GraphedForward(GraphCaptures):
         # 7B target with 32k ids and the default buckets; 4x that with 128k) would only hold stale rows.
         rows = max((self._rows(b, q) for q in self.query_lens + self.prefill_lens for b in self.batch_sizes),
                    default=0)
-        self._logits = torch.empty(rows, runner.model.config.vocab_size, dtype=torch.float32,
-                                   device=self.device)
-        pool = self._new_pool()
+        if share is None:
+            self._logits = torch.empty(rows, runner.model.config.vocab_size, dtype=torch.float32,
+                                       device=self.device)
+            pool = self._new_pool()
+        else:
+            if share._logits.shape[0] < rows:
+                raise ValueError(f"the shared logits buffer has {share._logits.shape[0]} rows, "
+                                 f"this set needs {rows}")
+            self._logits, pool = share._logits, share._pool
+        self._pool = pool
         # Longest queries and largest batches first: later, smaller captures mostly reuse the pool's
         # memory (not strictly by rows: (32, 256) has more than (1, 512); that costs pool memory only).
         for q in reversed(self.query_lens + self.prefill_lens):
             for b in reversed(self.batch_sizes):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
-        self._pool = pool
         self.chains: dict[int, _Chain] = {}
         self.sampled_chains: dict[int, _Chain] = {}
         if chains and 1 in self.query_lens:
             for b in reversed(self.batch_sizes):
                 self.chains[b] = self._capture_chain(b, pool)
+
+    @property
+    def context_bounds(self) -> tuple[int, ...]:
+        return (self.max_context,)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs) + len(self.chains) + len(self.sampled_chains)
 
     def shape(self, b: int, q: int) -> Shape:
         """Bucket (b, q)'s rows: b x q for a decode/verify length q; for a prefill length q, one
@@ -340,6 +361,10 @@ class GraphedForward(GraphCaptures):
         eagerly: every batch that fits a graph is staged by prepare)."""
         return None if batch.graph_key is None else self._replay_staged(batch)
 
+    def staged_graph(self, batch: ForwardBatch) -> _Graph:
+        """The graph holding a staged batch (benchmarks replay its .graph directly)."""
+        return self._staged_graph(batch)
+
     def _staged_graph(self, batch: ForwardBatch) -> _Graph:
         """The graph whose static inputs hold `batch` as prepare() staged it (input_ids aside)."""
         b, q, stamp = batch.graph_key
@@ -379,3 +404,97 @@ class GraphedForward(GraphCaptures):
 
 
 _STAGED_ONLY = ("positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables")
+
+
+class GraphSets:
+    """A runner's CUDA graphs for rising context bounds, used as one GraphedForward.
+
+    The attention kernel's KV split count is fixed at capture, planned from the graph's context
+    bound (triton_attention.choose_splits). With the one bound of max_model_len a short-context
+    step pays for many mostly empty splits and for merging them: the Llama-7B at batch 1 and a
+    128-token context took 3799 us a forward with a 4096-token bound against 3716 us with 192 (H200,
+    bench/timeline.py --max-model-len, bench/README.md session 12); a small draft plans more splits
+    still (fewer heads). So sets[-1] is planned for max_model_len and holds every bucket (prefill
+    ones too); each earlier set holds the decode/verify buckets and chains again, planned for a
+    shorter bound, with block tables only that wide. A step is staged on the first set whose tables
+    hold its widest table and that has a bucket for it, and runs there. Memory: the sets share one
+    pool and one logits buffer; capture time grows by a decode/verify set per bound."""
+
+    def __init__(self, sets: list[GraphedForward]):
+        self.sets = sets
+
+    @classmethod
+    def build(cls, runner, max_model_len: int, context_lens: tuple[int, ...], factory=GraphedForward,
+              **kwargs) -> GraphSets:
+        """The full set for max_model_len (kwargs as GraphedForward's), then one set per shorter
+        bound of context_lens (rounded up to whole KV blocks; bounds at or over max_model_len are
+        the full set already)."""
+        full = factory(runner, max_model_len, **kwargs)
+        block = full.block_size
+        bounds = sorted({-(-c // block) * block for c in context_lens if c > 0})
+        kwargs["prefill_lens"] = ()
+        return cls([*(factory(runner, c, share=full, **kwargs) for c in bounds if c < full.max_context), full])
+
+    # What engines, benchmarks and tests read: the full set's buckets (every set has its decode /
+    # verify buckets and chains too).
+    def __getattr__(self, name):
+        if name in ("graphs", "chains", "sampled_chains", "query_lens", "batch_sizes", "prefill_lens",
+                    "max_context", "max_blocks", "block_size", "shape"):
+            return getattr(self.sets[-1], name)
+        raise AttributeError(name)
+
+    @property
+    def replays(self) -> int:
+        return sum(s.replays for s in self.sets)
+
+    @property
+    def context_bounds(self) -> tuple[int, ...]:
+        return tuple(s.max_context for s in self.sets)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(s.graphs) + len(s.chains) + len(s.sampled_chains) for s in self.sets)
+
+    def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width):
+        for s in self.sets:
+            staged = s.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width)
+            if staged is not None:
+                return staged
+        return None
+
+    def _holder(self, batch: ForwardBatch) -> GraphedForward:
+        """The set whose graph holds the staged batch (stamps are unique across sets); the full
+        set when none does, whose check then says why."""
+        b, q, stamp = batch.graph_key
+        for s in self.sets:
+            g = s.graphs.get((b, q))
+            if g is not None and g.stamp == stamp:
+                return s
+        return self.sets[-1]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        return None if batch.graph_key is None else self._holder(batch).forward(batch)
+
+    def staged_graph(self, batch: ForwardBatch) -> _Graph:
+        return self._holder(batch).staged_graph(batch)
+
+    def chain(self, batch: ForwardBatch, first_ids, steps: int, sampled: bool = False,
+              start: int = 0) -> torch.Tensor:
+        return self._holder(batch).chain(batch, first_ids, steps, sampled, start)
+
+    def can_chain(self, n: int, steps: int, width: int, sampled: bool = False) -> bool:
+        # The set that stage() would pick for the chain's (n, 1) step must have the chain.
+        s = next((s for s in self.sets if s._bucket(n, 1, width) is not None), None)
+        return s is not None and s.can_chain(n, steps, width, sampled)
+
+    def capture_sampled_chains(self, pick_for) -> None:
+        # One pick per bucket for all sets: pick_for(b) makes the sampler's staged parameter
+        # buffers for b, which every set's chain of bucket b then reads.
+        picks: dict[int, object] = {}
+
+        def once(b: int):
+            if b not in picks:
+                picks[b] = pick_for(b)
+            return picks[b]
+        for s in reversed(self.sets):
+            s.capture_sampled_chains(once)

@@ -88,13 +88,18 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,),
                            batch_sizes: tuple[int, ...] | None = None, chains: bool = False,
-                           prefill_lens: tuple[int, ...] = ()) -> None:
+                           prefill_lens: tuple[int, ...] = (), context_lens: tuple[int, ...] = ()) -> None:
         """Capture decode/verify graphs; forward() replays one whenever a batch fits a bucket.
         chains: also the greedy chain graphs that greedy_chain() runs; prefill_lens: buckets for
-        steps with a prompt chunk of up to that many tokens (cuda_graphs.py)."""
-        from specdec.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
-        self.graphs = GraphedForward(self, max_model_len, query_lens, batch_sizes or DEFAULT_BATCH_SIZES,
-                                     chains=chains, prefill_lens=prefill_lens)
+        steps with a prompt chunk of up to that many tokens; context_lens: shorter context bounds
+        with a decode/verify set of their own (cuda_graphs.GraphSets)."""
+        from specdec.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward, GraphSets
+        kwargs = dict(query_lens=query_lens, batch_sizes=batch_sizes or DEFAULT_BATCH_SIZES, chains=chains,
+                      prefill_lens=prefill_lens)
+        if any(0 < c < max_model_len for c in context_lens):
+            self.graphs = GraphSets.build(self, max_model_len, context_lens, **kwargs)
+        else:
+            self.graphs = GraphedForward(self, max_model_len, **kwargs)
 
     # --- sequence lifetime -------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable) -> None:

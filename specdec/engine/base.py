@@ -106,12 +106,13 @@ class ModelEngine:
             prefill_lens = tuple(p for p in DEFAULT_GRAPH_PREFILL_LENS if p <= self.max_model_len)
         t0 = time.perf_counter()
         self.runner.enable_cuda_graphs(self.max_model_len, query_lens, self.config.graph_batch_sizes,
-                                       chains=self.graph_chains, prefill_lens=prefill_lens)
+                                       chains=self.graph_chains, prefill_lens=prefill_lens,
+                                       context_lens=self.config.graph_context_lens)
         graphs = self.runner.graphs
-        log.info("captured %d CUDA graphs (query lengths %s, prefill lengths %s, batch sizes %s) in %.1fs",
-                 len(graphs.graphs) + len(graphs.chains), ",".join(map(str, graphs.query_lens)),
-                 ",".join(map(str, graphs.prefill_lens)) or "none",
-                 ",".join(map(str, graphs.batch_sizes)), time.perf_counter() - t0)
+        log.info("captured %d CUDA graphs (query lengths %s, prefill lengths %s, batch sizes %s, "
+                 "context bounds %s) in %.1fs", graphs.num_graphs, ",".join(map(str, graphs.query_lens)),
+                 ",".join(map(str, graphs.prefill_lens)) or "none", ",".join(map(str, graphs.batch_sizes)),
+                 ",".join(map(str, graphs.context_bounds)), time.perf_counter() - t0)
 
     @property
     def graph_replays(self) -> int:

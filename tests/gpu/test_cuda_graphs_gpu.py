@@ -10,25 +10,33 @@ from tests.helpers.graph_runners import eager_and_graphed
 pytestmark = pytest.mark.gpu
 
 
-def test_graph_replay_matches_eager(tmp_path):
-    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 4), batch_sizes=(1, 2, 4, 8))
+def eager_prefill_then(runners, prompts, steps) -> None:
+    """On each runner: the prompts as one eager prefill, then steps(runner)'s list of logits; the
+    graphed runner's logits equal the eager one's, and so does every K/V (padding rows wrote
+    nothing: slot -1)."""
     outs = []
     for runner in runners:
-        got = []
-        for s, ids in prompts.items():
+        for s in prompts:
             runner.add_sequence(s)
-        got += runner.step([SeqInput(s, ids, 1) for s, ids in prompts.items()])          # eager prefill
-        for step in range(3):
-            got += runner.step([SeqInput(s, [step + 1]) for s in prompts])              # decode, bucket 4
-            got += runner.step([SeqInput(s, [7, 8, 9, step], 4) for s in prompts])     # verify q=4
-            got += runner.step([SeqInput(1, [3])])                                      # bucket 1
-        outs.append(got)
+        outs.append(runner.step([SeqInput(s, ids, 1) for s, ids in prompts.items()]) + steps(runner))
     assert runners[1].graphs is not None
     for eager, graphed in zip(*outs):
         assert torch.isfinite(graphed).all()
         torch.testing.assert_close(graphed, eager, atol=2e-4, rtol=0)
-    # padding rows wrote nothing (slot -1): both caches hold exactly the same K/V everywhere
     torch.testing.assert_close(runners[1].kv.data, runners[0].kv.data, atol=2e-4, rtol=0)
+
+
+def test_graph_replay_matches_eager(tmp_path):
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 4), batch_sizes=(1, 2, 4, 8))
+
+    def steps(runner):
+        got = []
+        for step in range(3):
+            got += runner.step([SeqInput(s, [step + 1]) for s in prompts])              # decode, bucket 4
+            got += runner.step([SeqInput(s, [7, 8, 9, step], 4) for s in prompts])     # verify q=4
+            got += runner.step([SeqInput(1, [3])])                                      # bucket 1
+        return got
+    eager_prefill_then(runners, prompts, steps)
 
 
 def test_prefill_graphs_match_eager_for_prompts_beside_verifies(tmp_path):
@@ -110,3 +118,39 @@ def test_greedy_chain_replays_equal_greedy_steps(tmp_path):
         for s in seqs:
             assert graphed.num_tokens(s) == eager.num_tokens(s)
             torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=2e-4, rtol=0)
+
+
+def test_short_context_graph_set_matches_eager_and_plans_fewer_splits(tmp_path):
+    """GraphSets on real graphs: a set planned for 64-token contexts beside the 256 one. Steps whose
+    tables fit 64 tokens replay there, longer ones on the full set, chains pick the set of their
+    last position, and every logit and the KV equal the eager runner's. On this GPU the short
+    set's attention is planned with fewer KV splits for one sequence (the reason it exists)."""
+    from specdec.kernels.triton_attention import launch_plan
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 4), batch_sizes=(1, 2, 4), chains=True,
+                                         context_lens=(64,))
+    eager, graphed = runners
+    short, full = graphed.graphs.sets
+    assert (short.max_context, full.max_context) == (64, 256)
+    cfg = graphed.config
+    plans = [launch_plan(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1, c, "cuda") for c in (64, 256)]
+    assert plans[0]["num_splits"] < plans[1]["num_splits"]
+
+    def steps(runner):
+        got = []
+        for step in range(8):   # sequence 2 (40 tokens) crosses 64 after a few verifies
+            got += runner.step([SeqInput(s, [step + 1, 5, 6, 7], 4) for s in (0, 1, 2)])
+            got += runner.step([SeqInput(1, [step + 2])])
+        return got
+    eager_prefill_then(runners, prompts, steps)
+    assert short.replays and full.replays
+    first = torch.tensor([3], device="cuda")
+    # Sequence 1 holds 5 + 8 x 5 = 45 tokens: a chain of 4 ends at 49 (the 64 set), one of 16 then at 65.
+    for n, on in ((4, 0), (16, 1)):
+        before = [s.replays for s in graphed.graphs.sets]
+        fed, want = [3], []
+        for _ in range(n):
+            fed = [int(eager.step([SeqInput(1, fed)])[0].argmax(-1))]
+            want.append(fed)
+        assert graphed.greedy_chain([1], first, n).tolist() == want
+        ran = [s.replays - b for s, b in zip(graphed.graphs.sets, before)]
+        assert ran == [n if i == on else 0 for i in range(2)], (n, ran)

@@ -2,6 +2,7 @@
 and kernels are labelled by their place in a layer."""
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -63,3 +64,14 @@ def test_weight_bytes_of_the_7b_projections():
     w = weight_bytes("llama-7b")
     assert w["gemv qkv"] == 2 * 4096 * 3 * 4096 and w["gemv gate_up"] == 2 * 4096 * 2 * 11008
     assert w["gemv down"] == w["gemv gate_up"] // 2 and w["post gemv"] == 2 * 4096 * 32000
+
+
+def test_graph_variants_name_a_kernel_set_and_a_servers_graph_bounds():
+    from common import graph_variant, variant_arg
+    assert graph_variant("default") == ("default", 0, ())
+    assert graph_variant("no_norm@4096") == ("no_norm", 4096, ())
+    assert graph_variant("default@4096+256+1024") == ("default", 4096, (256, 1024))
+    for bad in ("nope", "nope@4096", "default@x", "default@4096+y"):
+        with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+            variant_arg(bad)
+    assert variant_arg("default@4096+256") == "default@4096+256"
