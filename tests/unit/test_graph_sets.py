@@ -155,3 +155,29 @@ def test_enable_cuda_graphs_builds_sets_only_below_max_model_len(monkeypatch):
     runner.enable_cuda_graphs(64, context_lens=(64, 128))
     runner.enable_cuda_graphs(64, context_lens=(16, 128))
     assert built == [("one set", 64), (64, (16, 128))]
+
+
+def test_draft_engine_drafts_the_same_across_the_bound(tmp_path):
+    """A DraftEngine on (emulated) graph sets for 16 and 128 tokens drafts what the eager engine
+    drafts, chains and single replays alike, as its sequences grow past 16 tokens."""
+    from specdec.engine import DraftEngine
+    from specdec.engine.types import DraftSeqInput
+    from tests.helpers.tiny_models import make_pair
+    _, draft_path = make_pair(tmp_path)
+    config = EngineConfig(model=draft_path, num_blocks=64, block_size=BLOCK, warmup_batch_sizes=(1,),
+                          max_num_draft=8)
+    plain, graphed = DraftEngine(config), DraftEngine(config)
+    for engine in (plain, graphed):
+        engine.runner.backend = TritonAttention()
+    graphed.runner.graphs = GraphSets.build(graphed.runner, 128, (16,), factory=CpuGraphs, query_lens=(1, 2),
+                                            batch_sizes=(1, 2, 4), chains=True)
+    steps = [[DraftSeqInput(1, 0, [3, 4, 5], 4, first=True), DraftSeqInput(2, 0, [7, 1], 4, first=True)]]
+    steps += [[DraftSeqInput(1, keep, [t], 4), DraftSeqInput(2, 4 - keep, [t + 1], 4)]
+              for t, keep in zip(range(2, 9), (4, 1, 2, 3, 4, 0, 2))]
+    for step in steps:
+        a, b = plain.propose(step), graphed.propose(step)
+        assert [o.tokens for o in b.outputs] == [o.tokens for o in a.outputs]
+        assert all(o.error is None for o in b.outputs)
+    short, full = graphed.runner.graphs.sets
+    assert short.replays and full.replays
+    assert max(graphed.runner.num_tokens(s) for s in (1, 2)) > 16
