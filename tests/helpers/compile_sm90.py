@@ -20,10 +20,21 @@ from specdec.kernels import fused, gemv, sampling, triton_attention  # noqa: E40
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+# Integer arguments (besides every stride_*) that are multiples of 16 in the servers' launches.
+DIVISIBLE = {"N", "K", "k_per_split"}
+
+
 def compile_kernel(fn, types: dict[str, str], constexprs: dict, warps: int, stages: int):
-    """types: argument name -> Triton type for the non-constexpr arguments (default i32)."""
+    """types: argument name -> Triton type for the non-constexpr arguments (default i32).
+
+    A launch on the GPU specializes what it is given: pointers 16-byte aligned and integers
+    divisible by 16 (Triton's tt.divisibility), which is what selects vectorized and cp.async loads
+    (without it a GEMV tile loads 2 bytes at a time and compiles to other code). So these compiles
+    take the same for every pointer, every stride_* and the names in DIVISIBLE."""
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=TARGET,
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride") or n in DIVISIBLE)}
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET,
                           options=dict(num_warps=warps, num_stages=stages))
 
 
