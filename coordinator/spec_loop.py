@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +51,10 @@ STATS_LOG_S = 30.0  # how often the loop logs its statistics while busy
 MAX_TARGET_RESENDS = 2
 MAX_DRAFT_RESENDS = 2
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+# A target's refusal of a sequence's draft_tokens / draft_probs (its conversion says "seqs[i].draft_probs
+# ...", its engine "draft_probs: ..."): what the draft sent, not what the client asked.
+DRAFT_FIELD = re.compile(r"(seqs\[\d+\]\.)?draft_(tokens|probs)\b")
 # Idle Release calls that failed are tried again after this backoff (seconds, doubling), sooner
 # when a request arrives (its first step carries them).
 RELEASE_RETRY_S = (0.5, 10.0)
@@ -302,13 +307,18 @@ class SpecLoop:
         except BadProposal as e:
             # This sequence goes on without the draft; the rest of the batch is unaffected.
             self.metrics.count_error(status_from_code(r.error.code).name if r.error.code else "INTERNAL")
-            log.warning("draft failed for sequence %d: %s", seq.seq_id, e)
-            seq.use_draft = False
-            self.scheduler.release_draft.add(seq.seq_id)
-            seq.draft_holds = False
+            self._draft_failed(seq, str(e))
             return None
         seq.draft_resends = 0
         return proposal
+
+    def _draft_failed(self, seq: Sequence, reason: str) -> None:
+        """The draft failed for this sequence: it goes on by plain decoding (exact), and the draft
+        server releases it."""
+        log.warning("draft failed for sequence %d: %s", seq.seq_id, reason)
+        seq.use_draft = False
+        self.scheduler.release_draft.add(seq.seq_id)
+        seq.draft_holds = False
 
     # --- pipelined speculation (--pipeline) --------------------------------------------------
     def _pipelined(self, seq: Sequence) -> bool:
@@ -403,6 +413,12 @@ class SpecLoop:
             self.metrics.count_error(status_from_code(r.error.code).name)
             if r.error.code == NOT_FOUND:
                 self._resend_target(seq, f"target: {r.error.message}")
+            elif p.drafts and r.error.code == INVALID_ARGUMENT and DRAFT_FIELD.match(r.error.message):
+                # The target refused what the draft sent (probabilities the coordinator does not
+                # scan, e.g. NaN in a dense row) and changed nothing: the draft failed, not the
+                # request. The sequence goes on without it from the same tokens, as after a bad
+                # proposal.
+                self._draft_failed(seq, f"the target refused its drafts: {r.error.message}")
             else:
                 self._abort(seq, status_from_code(r.error.code), f"target: {r.error.message}")
             return 0, 0, 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from coordinator.sequence import GenParams, Sampling
 from coordinator.tokenizer import TextTokenizer
 from protos import specdec_pb2 as pb
+from protos.wire import GREEDY_BELOW_TEMPERATURE
 
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
@@ -48,7 +49,9 @@ def _sampling(req: pb.GenerateRequest) -> Sampling:
     # Draft and target derive all randomness from this seed (counter-based, per position), so a
     # request without one gets one here, once.
     seed = s.seed if s.HasField("seed") else secrets.randbits(64)
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+    # Below GREEDY_BELOW_TEMPERATURE the request is greedy (its logits / T would overflow near 1e-38).
+    temperature = s.temperature if s.temperature >= GREEDY_BELOW_TEMPERATURE else 0.0
+    return Sampling(temperature=temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
                     min_p=s.min_p, seed=seed)
 
 

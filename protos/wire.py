@@ -10,6 +10,12 @@ import numpy as np
 MAX_MESSAGE_BYTES = 1 << 30
 
 
+# Sampling temperatures below this are greedy (argmax), on every side of the wire: logits / T
+# overflows float32 for T below ~1e-38 (NaN probabilities), and long before that the distribution is
+# one-hot up to ties. vLLM draws the same line (its _SAMPLING_EPS, 1e-5).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class WireError(ValueError):
     """Malformed packed bytes; the message names the field."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from protos.wire import GREEDY_BELOW_TEMPERATURE
+
 SEED_LIMIT = 2**64  # seeds are uint64 on the wire
 
 
@@ -22,7 +24,7 @@ def _is_number(x) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0   # 0 = greedy (argmax)
+    temperature: float = 0.0   # 0 = greedy (argmax); so is anything below GREEDY_BELOW_TEMPERATURE
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off; 0 (the proto3 default) is read as off too
     min_p: float = 0.0         # 0 = off
@@ -40,6 +42,8 @@ class SamplingParams:
             fail("top_p", "must be in [0, 1] (0 or 1 = off)")
         if self.top_p == 0:
             object.__setattr__(self, "top_p", 1.0)
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:  # greedy (protos.wire), as the coordinator reads it
+            object.__setattr__(self, "temperature", 0.0)
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):

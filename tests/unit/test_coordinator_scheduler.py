@@ -114,6 +114,18 @@ def test_validation_fills_defaults(tok):
     assert 0 <= p.sampling.seed < 2 ** 64
 
 
+@pytest.mark.parametrize("t, want", [(1e-45, 0.0), (1e-38, 0.0), (9.9e-6, 0.0), (1.1e-5, 1.1e-5), (0.7, 0.7)])
+def test_temperatures_below_the_greedy_bound_are_greedy(tok, t, want):
+    """logits / T overflows float32 near T = 1e-38 (NaN probabilities: INVALID_ARGUMENT about
+    draft_probs, or garbage tokens without speculation, found by the chaos review); below
+    GREEDY_BELOW_TEMPERATURE a request is greedy, as the servers read it too."""
+    req = pb.GenerateRequest(text="def f", max_new_tokens=4)
+    req.sampling.temperature = t
+    got = validate(req, LIMITS, tok).sampling.temperature
+    assert got == pytest.approx(want, rel=1e-6)  # the wire's float32
+    assert (got == 0.0) is (want == 0.0)
+
+
 def test_incompatible_draft_is_named():
     t = pb.ModelInfo(model_name="T", vocab_size=320, tokenizer_fingerprint="a" * 64)
     check_draft_compatible(t, pb.ModelInfo(model_name="D", vocab_size=320, tokenizer_fingerprint="a" * 64))

@@ -37,6 +37,9 @@ def test_defaults_and_normalisation():
     assert isinstance(s.temperature, float)
     assert hash(s) == hash(SamplingParams(top_k=3, temperature=1.0))
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    for tiny in (1e-45, 1e-38, 9.9e-6):  # below GREEDY_BELOW_TEMPERATURE: greedy (logits / T overflows)
+        assert SamplingParams(temperature=tiny).greedy and SamplingParams(temperature=tiny).temperature == 0.0
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 def test_counters_one_step():

@@ -299,9 +299,9 @@ GREEDY_TOO = {spoil_out_of_vocab, spoil_negative, spoil_count, spoil_extra, spoi
               spoil_greedy_probs, spoil_seq_id}
 
 
-def run_batch(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.7)):
+def run_batch(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.7), target: FakeTarget | None = None):
     async def main():
-        loop, sched, target = make_loop(draft)
+        loop, sched, target_ = make_loop(draft, target)
         task = asyncio.create_task(loop.run())
         tok = tokenizer(tmp_path)
         seqs = [new_seq(tok, i + 1, t) for i, t in enumerate(temperatures)]
@@ -311,7 +311,7 @@ def run_batch(tmp_path, draft: FakeDraft, temperatures=(0.0, 0.7)):
             results = await asyncio.gather(*(collect(s) for s in seqs))
         finally:
             task.cancel()
-        return results, seqs, target
+        return results, seqs, target_
     return asyncio.run(main())
 
 
@@ -484,3 +484,66 @@ def test_spec_max_batch_on_the_command_line():
     assert parse_args(["--target", "t:1"]).spec_max_batch == 0   # no limit by default
     with pytest.raises(ConfigError, match="spec_max_batch"):
         CoordinatorConfig(target="t:1", spec_max_batch=-1)
+
+
+class RefusingTarget(FakeTarget):
+    """Refuses, as INVALID_ARGUMENT with `message` and without touching the sequence, every
+    sequence whose draft probabilities hold a NaN (what the real target's decode_probs does with
+    the dense rows the coordinator does not scan); `always`: every sequence with drafts."""
+
+    def __init__(self, message: str, always: bool = False):
+        super().__init__()
+        self.message, self.always, self.refused = message, always, 0
+
+    async def step(self, request, timeout=None):
+        bad = set()
+        for i, s in enumerate(request.seqs):
+            p = s.draft_probs
+            nan = p.encoding and np.isnan(np.frombuffer(p.values, dtype="<f2")).any()
+            if (nan or (self.always and s.draft_tokens)):
+                bad.add(i)
+        keep = pb.VerifyRequest(step=request.step, release=request.release,
+                                seqs=[s for i, s in enumerate(request.seqs) if i not in bad])
+        answered = iter((await super().step(keep)).results)
+        response = pb.VerifyResponse(step=request.step)
+        for i, s in enumerate(request.seqs):
+            if i in bad:
+                self.refused += 1
+                r = response.results.add(seq_id=s.seq_id, next_token=-1)
+                r.error.code, r.error.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], self.message.format(i=i)
+            else:
+                response.results.add().CopyFrom(next(answered))
+        return response
+
+
+def spoil_nan(r, s):
+    if r.HasField("probs"):
+        w = np.frombuffer(r.probs.values, dtype="<f2").copy()
+        w[0] = np.nan
+        r.probs.values = w.tobytes()
+
+
+@pytest.mark.parametrize("message", ["seqs[{i}].draft_probs.values: must be finite and >= 0",
+                                     "draft_probs: mass on ids outside the target vocabulary of 320",
+                                     "draft_tokens: 9 outside 0..8"])
+def test_drafts_the_target_refuses_degrade_to_plain_decoding(tmp_path, message):
+    """The coordinator does not scan dense draft rows; the target refuses a NaN there for that
+    sequence (INVALID_ARGUMENT naming the draft's field). That is the draft failing, not the
+    request: the sequence goes on by plain decoding with exactly its output, the other one is
+    untouched, and the draft server is told to release it."""
+    target = RefusingTarget(message)
+    draft = FakeDraft(spoil_nan)
+    results, (greedy, sampled), _ = run_batch(tmp_path, draft, target=target)
+    for tokens, end in results:
+        assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+    assert target.refused == 1 and not target.violations
+    assert greedy.use_draft and not sampled.use_draft
+    assert sampled.seq_id not in draft.held  # released on the draft
+
+
+def test_other_refusals_still_fail_the_request(tmp_path):
+    """A refusal of what the request itself sent (not a draft field) still ends it with that status."""
+    target = RefusingTarget("new_tokens: token id 999 outside the vocabulary", always=True)
+    results, _, _ = run_batch(tmp_path, FakeDraft(), (0.0,), target)
+    (tokens, end), = results
+    assert isinstance(end, Abort) and end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "new_tokens" in end.message
