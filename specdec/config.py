@@ -230,6 +230,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if self.graph_context_lens is None:  # as --graph-context-lens none: no shorter bound
+            object.__setattr__(self, "graph_context_lens", ())
         for name in ("graph_prefill_lens", "graph_context_lens"):
             value = getattr(self, name)
             if value and min(value) < 1:

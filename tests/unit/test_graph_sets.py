@@ -142,6 +142,9 @@ def test_context_lens_in_config_and_on_the_command_line(tmp_path):
     assert config.engine.graph_context_lens == (256, 1024)
     config, _, _ = config_from_args("draft", ["--model", str(tmp_path)])
     assert config.engine.graph_context_lens == ()
+    config, _, _ = config_from_args("target", ["--model", str(tmp_path), "--graph-context-lens", "none"])
+    assert config.engine.graph_context_lens == ()
+    assert EngineConfig(model=tmp_path, graph_context_lens=None).graph_context_lens == ()
     with pytest.raises(ConfigError, match="graph_context_lens"):
         EngineConfig(model=tmp_path, graph_context_lens=(0, 256))
 
