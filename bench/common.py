@@ -38,6 +38,9 @@ KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True, norm=True),
     "silu_gemv": dict(fused=True, gemv=True, pdl=True, norm=True, silu=True),  # SiLU * up in the gate_up GEMV
     "no_norm": dict(fused=True, gemv=True, pdl=True),  # add + RMSNorm as kernels of their own
+    # the norm fusion at steps of up to 16 tokens too (GemvOps.norm_max_m; the default fuses 1-token
+    # steps only, since the tl.dot consumer lost at b 8 before its norm weight was loaded ahead)
+    "norm_m16": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=16),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -54,6 +57,8 @@ def kernel_set(model, name: str):
     model.set_gemv_kernels(chosen["gemv"])
     model.set_gemv_silu(chosen.get("silu", False))
     model.set_gemv_norm(chosen.get("norm", False))
+    if "norm_max_m" in chosen and hasattr(model.ops, "norm_max_m"):
+        model.ops.norm_max_m = chosen["norm_max_m"]
     with pdl.forced(chosen["pdl"]):
         yield
 

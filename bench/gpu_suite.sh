@@ -6,7 +6,7 @@
 # Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-ab (E2E_AB_ARGS:
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
-#         (profiles.tgz), serving, attention, decode, cost (COST_SETS: kernel sets, default all), gemv,
+#         (profiles.tgz), serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
 #         anatomy, timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
@@ -62,7 +62,8 @@ for s in "$@"; do
       tar czf "$OUT/profiles.tgz" -C /tmp/specdec-profiles . ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
-    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf; keep decode.json ;;
+    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf ${DECODE_SETS:+--sets $DECODE_SETS}
+            keep decode.json ;;
     cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf ${COST_SETS:+--sets $COST_SETS}
           keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;

@@ -145,19 +145,28 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
         acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if NORM_IN:
+            # The norm weight of each K step is loaded one step ahead. Loaded inside its step, it
+            # is the one load the pipeliner does not stream (x and W come by cp.async): sm_90 PTX
+            # had a 2-byte global load, a shared-memory store and a barrier on every step's path
+            # (tests/helpers/compile_sm90.py --counts "gemv M16"), ~32 L2 round trips a 4096-wide
+            # projection, about what the fusion lost at b 8 (4.76 vs 4.10 ms, session 12).
+            offs_b = tl.arange(0, BLOCK_K)
+            nw_next = tl.load(NW + k_start + offs_b, mask=k_start + offs_b < K, other=0.0)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
+            if NORM_IN:
+                nw = nw_next
+                nw_next = tl.load(NW + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-                if NORM_IN:
-                    x = _weighted(x, tl.load(NW + offs_k)[None, :], X.dtype.element_ty)
             else:
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                if NORM_IN:
-                    x = _weighted(x, tl.load(NW + offs_k, mask=k_ok, other=0.0)[None, :], X.dtype.element_ty)
+            if NORM_IN:
+                x = _weighted(x, nw[None, :], X.dtype.element_ty)
             if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -456,7 +465,10 @@ class GemvOps:
     norm_max_m tokens (default 1: single-token decode); larger steps run each piece as before.
     H200, same weights, graphed decode (bench/timeline.py, decode.py, cost_coefficient.py): at
     b 1 the forward took 3688 vs 3722 us (7B), 294 vs 309 (160m), 897 vs 946 (1.1B); at b 8 the
-    tl.dot path lost (7B 4.76 vs 4.10 ms), so M > 1 keeps the separate kernels."""
+    tl.dot path lost (7B 4.76 vs 4.10 ms), so M > 1 keeps the separate kernels. That path loaded
+    the norm weight inside each K step, outside the cp.async pipeline (a global load and a barrier
+    on every step's path in the sm_90 PTX); it loads it one step ahead now, not yet timed: the
+    kernel set norm_m16 of bench/common.py (norm_max_m 16) against default at b 8 decides."""
 
     def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False):
         self.base = base

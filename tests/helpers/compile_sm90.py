@@ -2,7 +2,8 @@
 without a GPU: Triton's frontend, MLIR passes and ptxas, the path the interpreter never takes.
 Run as a script with TRITON_INTERPRET unset (the test suite sets it, and kernels defined under it
 cannot be compiled); prints one line per variant and exits 1 if any failed, 2 (with the reason)
-if this machine cannot compile for sm_90 at all (no ptxas in the Triton install)."""
+if this machine cannot compile for sm_90 at all (no ptxas in the Triton install).
+`--counts "gemv M16"` prints PTX instruction counts and registers of the matching variants instead."""
 from __future__ import annotations
 
 import itertools
@@ -84,7 +85,37 @@ def _probe(X):
     tl.store(X, 1)
 
 
+PTX_COUNTS = {"cp.async": r"cp\.async\.c[ag]\.", "ld.global": r"ld\.global", "ld.shared": r"ld\.shared",
+              "st.shared": r"st\.shared", "ldmatrix": r"ldmatrix", "bar.sync": r"bar\.sync",
+              "mma.sync": r"mma\.sync", "wgmma": r"wgmma\.mma_async"}
+
+
+def ptx_counts(substring: str) -> int:
+    """Instruction counts of the PTX of every variant whose name contains `substring`, and ptxas's
+    register / spill report: a first look at what a kernel change does to the code, without a GPU."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    for name, fn, types, c, warps, stages in variants():
+        if substring not in name:
+            continue
+        ptx = compile_kernel(fn, types, c, warps, stages).asm["ptx"]
+        counts = " ".join(f"{k}={len(re.findall(v, ptx))}" for k, v in PTX_COUNTS.items())
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.ptx").write_text(ptx)
+            run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o",
+                                  str(Path(d, "k.cubin"))], capture_output=True, text=True)
+        regs = re.findall(r"Used (\d+) registers", run.stderr)
+        spills = re.findall(r"(\d+) bytes spill stores", run.stderr)
+        print(f"{name}: registers={regs[0] if regs else '?'} spill_stores={spills[0] if spills else '?'} {counts}")
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--counts":
+        return ptx_counts(sys.argv[2])
     try:
         compile_kernel(_probe, {"X": "*i32"}, {}, 1, 1)
     except Exception as e:  # noqa: BLE001 - the toolchain, not our kernels

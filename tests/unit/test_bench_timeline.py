@@ -75,3 +75,17 @@ def test_graph_variants_name_a_kernel_set_and_a_servers_graph_bounds():
         with pytest.raises((ValueError, argparse.ArgumentTypeError)):
             variant_arg(bad)
     assert variant_arg("default@4096+256") == "default@4096+256"
+
+
+def test_kernel_set_norm_m16_fuses_the_norm_up_to_16_token_steps():
+    import torch
+    from common import kernel_set
+    from specdec.models.loader import build_model
+    from tests.helpers.op_sets import tiny_config
+    model = build_model(tiny_config(), torch.float32, "cpu")
+    with kernel_set(model, "norm_m16"):
+        assert model.ops.fuse_norm and model.ops.norm_max_m == 16
+    with kernel_set(model, "default"):
+        assert model.ops.fuse_norm and model.ops.norm_max_m == 1
+    with kernel_set(model, "no_norm"):
+        assert not model.ops.fuse_norm
