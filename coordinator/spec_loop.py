@@ -69,6 +69,7 @@ class Plan:
     drafts: list[int] = field(default_factory=list)
     probs: pb.Probs | None = None
     ahead: bool = False  # the drafts were proposed during the last step's verify (--pipeline)
+    draft_prefill: bool = False  # the Propose fed the draft a prompt (first, or a catch-up of > 2 tokens)
 
 
 def sampling_pb(seq: Sequence) -> pb.SamplingParams:
@@ -241,7 +242,7 @@ class SpecLoop:
         asyncio.get_running_loop().call_soon(functools.partial(
             self.metrics.observe_step, drafted, accepted, emitted,
             step_seconds=time.perf_counter() - started, stage_seconds=stages,
-            has_prefill=any(p.partial or len(p.target_new) > 1 for p in plans),
+            has_prefill=any(p.partial or len(p.target_new) > 1 or p.draft_prefill for p in plans),
             draft_timing=draft_timing, target_timing=response.timing))
         self.metrics.set_running(len(sched.running))
 
@@ -259,6 +260,9 @@ class SpecLoop:
                     sched.release_draft.add(seq.seq_id)
                 seq.restart_draft()
                 seq.draft_resync = seq.draft_holds = False
+            # A decode step feeds the draft 1 or 2 tokens (the correction; or the last draft and the
+            # bonus token); more, or a fresh start, is a prefill the step's timing must not count.
+            p.draft_prefill = not seq.draft_holds or len(seq.draft_pending) > 2
             request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep,
                              new_tokens=pack_ids(seq.draft_pending), num_draft=p.num_draft,
                              sampling=sampling_pb(seq), first=not seq.draft_holds)

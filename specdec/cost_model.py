@@ -198,9 +198,12 @@ class _StepRecord:
 class SpecStats:
     """The coordinator's view of cost and acceptance, per batch bucket and over a window of steps.
 
-    Per bucket b (EMAs with weight ema_weight, over steps without prefill):
-      c[b]          = draft.decode_forward_seconds / target.decode_forward_seconds, the servers'
-                      own profile values reported with the step (both at bucket b).
+    Per bucket b:
+      c[b]          = draft.decode_forward_seconds / target.decode_forward_seconds of the latest step
+                      where both servers reported one at bucket b: the servers' own profile values
+                      (each an EMA of its single-token forwards), so no smoothing here, prefill
+                      steps included.
+    and EMAs with weight ema_weight, over steps without prefill:
       draft_tok[b]  = propose stage wall time / max γ of the step (the draft runs γ_max forwards).
       plain[b]      = wall time of plain steps (all γ = 0) when any were seen; otherwise estimated
                       from speculative steps as step - propose - (target forward - target decode
@@ -244,8 +247,10 @@ class SpecStats:
     def add_step(self, drafted: Sequence[int], accepted: Sequence[int], emitted: Sequence[int],
                  step_seconds: float, propose_seconds: float = 0.0, has_prefill: bool = False,
                  draft_timing: ServerTiming | None = None,
-                 target_timing: ServerTiming | None = None) -> int:
-        """Records one batched step (per-sequence lists, same order); returns its bucket."""
+                 target_timing: ServerTiming | None = None, ahead_seconds: float = 0.0) -> int:
+        """Records one batched step (per-sequence lists, same order); returns its bucket.
+        ahead_seconds: a pipelined step's wait for the draft's extension after the target answered
+        (draft time a plain step does not have either; not part of the per-drafted-token time)."""
         n = len(drafted)
         if n == 0 or len(accepted) != n or len(emitted) != n:
             raise ValueError("drafted, accepted and emitted need one entry per sequence (>= 1)")
@@ -269,7 +274,7 @@ class SpecStats:
                     extra = target_timing.forward_seconds - tgt_dec
                     ratio = target_timing.forward_seconds / tgt_dec
                     self.verify_ratio[b] = ema(self.verify_ratio.get(b), ratio, w)
-                    estimate = step_seconds - propose_seconds - extra
+                    estimate = step_seconds - propose_seconds - ahead_seconds - extra
                     if estimate > 0:
                         self._plain_estimated[b] = ema(self._plain_estimated.get(b), estimate, w)
         plain = self.plain_step_seconds(b)

@@ -335,7 +335,7 @@ class CoordinatorMetrics(_ProcessMetrics):
             raise ValueError(f"stage_seconds: unknown stages {sorted(unknown)}, expected {STAGES}")
         emitted = [a + 1 for a in accepted] if emitted is None else list(emitted)
         self.stats.add_step(drafted, accepted, emitted, step_seconds, stage_seconds.get("propose", 0.0),
-                            has_prefill, draft_timing, target_timing)
+                            has_prefill, draft_timing, target_timing, stage_seconds.get("ahead", 0.0))
         m = self._m
         m["specdec_draft_tokens_total"].inc(sum(drafted))
         m["specdec_accepted_tokens_total"].inc(sum(accepted))

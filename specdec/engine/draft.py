@@ -104,7 +104,7 @@ class DraftEngine(ModelEngine):
         self._update_profile(plans, forwards)
         timing = StepTiming(forward_seconds=sum(forwards), step_seconds=time.perf_counter() - t0,
                             batch_size=len(seqs), num_forwards=len(forwards),
-                            decode_forward_seconds=self.profile(len(plans)))
+                            decode_forward_seconds=self.profile(len(seqs)))  # at batch_size's bucket
         return StepResult(outputs, timing)
 
     def _plan(self, index: int, seq: DraftSeqInput) -> Plan:

@@ -83,7 +83,7 @@ class TargetEngine(ModelEngine):
             self.profile.update(len(plans), forwards[0])  # a plain decode step: a live sample of t(b, 1)
         timing = StepTiming(forward_seconds=sum(forwards), step_seconds=time.perf_counter() - t0,
                             batch_size=len(seqs), num_forwards=len(forwards),
-                            decode_forward_seconds=self.profile(len(plans)))
+                            decode_forward_seconds=self.profile(len(seqs)))  # at batch_size's bucket
         return StepResult(outputs, timing)
 
     def _plan(self, index: int, seq: VerifySeqInput) -> Plan:
