@@ -20,6 +20,7 @@ from coordinator.validation import InvalidRequest, validate_async
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
+from specdec.serving.errors import ErrorInterceptor
 
 log = logging.getLogger("specdec.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -96,7 +97,10 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 async def build_server(coord: Coordinator, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    server = grpc.aio.server()
+    # The servers' interceptor: an exception escaping Generate, or bytes that are not a request,
+    # get a status (INTERNAL / INVALID_ARGUMENT) and a log line instead of UNKNOWN and a traceback.
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(prefix=f"/{SERVICE_NAME}/",
+                                                            on_error=coord.metrics.count_error)])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(coord), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

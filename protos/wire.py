@@ -16,7 +16,13 @@ MAX_MESSAGE_BYTES = 1 << 30
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-class WireError(ValueError):
+class InvalidInput(ValueError):
+    """Input a client sent that cannot be served as it is (INVALID_ARGUMENT at the gRPC boundary,
+    specdec/serving/errors.py); the message names the field. Torch-free, so the coordinator and
+    the servers share it."""
+
+
+class WireError(InvalidInput):
     """Malformed packed bytes; the message names the field."""
 
 

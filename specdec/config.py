@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from protos.wire import InvalidInput
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidInput):
     """A configuration value is missing or invalid; the message names it."""
 
 

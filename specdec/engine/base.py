@@ -193,10 +193,15 @@ class ModelEngine:
         failure would have to undo; a `first` sequence the server already holds is restarted (an
         idempotent resend: the old state goes and its blocks count as free for this step); then
         the blocks to reach the plan's kv_len_after are reserved. Returns the admitted plans
-        (their `admission` set) and, per sequence, its error or None."""
+        (their `admission` set) and, per sequence, its error or None.
+
+        A sequence's budget is the blocks free at its turn less those promised to earlier ones:
+        read at its turn, because its plan may have freed some (the draft rolls rejected drafts
+        back) and so may the restart. (Read once before the loop, a step that needed no new block
+        after its roll-back was refused for KV, and served when sent again.)"""
         plans = []
         errors: list[SeqError | None] = [None] * len(seqs)
-        budget = [self.num_free_blocks]
+        promised = 0
         seen: set[int] = set()
         for i, seq in enumerate(seqs):
             try:
@@ -205,9 +210,11 @@ class ModelEngine:
                 seen.add(seq.seq_id)
                 p = plan(i, seq)
                 if seq.first and seq.seq_id in self.runner.blocks:
-                    budget[0] += len(self.runner.blocks.block_table(seq.seq_id))
                     self._forget(seq.seq_id)
+                available = self.num_free_blocks - promised
+                budget = [available]
                 p.admission = self.admit(seq.seq_id, p.kv_len_after, budget)
+                promised += available - budget[0]
                 plans.append(p)
             except SeqFailure as f:
                 errors[i] = f.error

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from protos.wire import GREEDY_BELOW_TEMPERATURE
+from protos.wire import GREEDY_BELOW_TEMPERATURE, InvalidInput
 
 SEED_LIMIT = 2**64  # seeds are uint64 on the wire
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(InvalidInput):
     """An invalid sampling parameter; the message starts with the field name."""
 
 

@@ -1,15 +1,15 @@
-"""Turns exceptions escaping a handler into a gRPC status, so no request can kill the server."""
+"""Turns exceptions escaping a handler into a gRPC status, so no request can kill the server.
+Torch-free: the coordinator uses the interceptor too."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from protos.wire import WireError
+from protos.wire import InvalidInput
 from specdec.block_manager import OutOfBlocks
-from specdec.config import ConfigError
-from specdec.sampling.params import SamplingParamsError
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +19,10 @@ class NotReady(RuntimeError):
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, (WireError, SamplingParamsError, ConfigError)):
+    if isinstance(exc, InvalidInput):  # WireError, SamplingParamsError, ConfigError, ...
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, DecodeError):  # bytes that are not the request message
+        return grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message: {exc}"
     if isinstance(exc, OutOfBlocks):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, NotReady):
@@ -40,9 +42,33 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str,
     await context.abort(code, message)
 
 
+class _Undecodable:
+    """What the tolerant deserializer returns for bytes that are not the request message."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    """A unary request is deserialized by gRPC before any handler runs, and a DecodeError there
+    came back as UNKNOWN with an ERROR traceback in the log; this hands it to the handler, which
+    answers INVALID_ARGUMENT. (A stream's messages are read inside the handler: status_of.)"""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return _Undecodable(e)
+    return deserialize
+
+
 def _wrap_unary(behavior: Callable, method: str, on_error) -> Callable:
     async def handler(request, context):
         try:
+            if isinstance(request, _Undecodable):
+                raise request.error
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise
@@ -54,6 +80,8 @@ def _wrap_unary(behavior: Callable, method: str, on_error) -> Callable:
 def _wrap_stream(behavior: Callable, method: str, on_error) -> Callable:
     async def handler(request_or_iterator, context):
         try:
+            if isinstance(request_or_iterator, _Undecodable):
+                raise request_or_iterator.error
             async for response in behavior(request_or_iterator, context):
                 yield response
         except grpc.aio.AbortError:
@@ -78,14 +106,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         kw = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
+        unary_kw = {**kw, "request_deserializer": _tolerant(handler.request_deserializer)}
         m, on_error = details.method, self.on_error
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, m, on_error), **kw)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, m, on_error),
+                                                       **unary_kw)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, m, on_error),
                                                         **kw)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, m, on_error),
-                                                        **kw)
+                                                        **unary_kw)
         return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, m, on_error),
                                                      **kw)

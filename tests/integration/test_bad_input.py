@@ -62,6 +62,35 @@ def test_bad_input_gets_its_status(client, name, prompt, params, code, message):
     assert message in e.value.details()
 
 
+CORRUPT = b"\xff\xff\xff\x07"  # a field header that promises more bytes than follow
+
+
+@pytest.mark.parametrize("role, method, streams", [
+    ("coordinator", "/specdec.v1.Generation/Generate", "unary_stream"),
+    ("coordinator", "/specdec.v1.Generation/Info", "unary_unary"),
+    ("target_server", "/specdec.v1.Target/Info", "unary_unary"),
+    ("target_server", "/specdec.v1.Target/Verify", "stream_stream"),
+    ("draft_server", "/specdec.v1.Draft/Propose", "stream_stream"),
+])
+def test_bytes_that_are_not_a_request_are_invalid_argument(cluster, role, method, streams):
+    """Undecodable request bytes (any client may send them) are INVALID_ARGUMENT with a message,
+    logged as bad input, not UNKNOWN / INTERNAL with a traceback (before: gRPC answered a unary
+    request's DecodeError itself, and a stream's came out of the handler as INTERNAL)."""
+    proc = cluster.procs[role]
+    with grpc.insecure_channel(proc.address) as channel:
+        rpc = getattr(channel, streams)(method, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            if streams == "unary_unary":
+                rpc(CORRUPT, timeout=10)
+            elif streams == "unary_stream":
+                list(rpc(CORRUPT, timeout=10))
+            else:
+                list(rpc(iter([CORRUPT]), timeout=10))
+    assert e.value.code() == INVALID and "request: not a valid message" in e.value.details()
+    log = proc.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and " ERROR " not in log, log[-2000:]
+
+
 def test_more_concurrent_requests_than_capacity(cluster):
     async def main():
         async with AsyncClient(cluster.coordinator) as client:

@@ -369,7 +369,8 @@ def test_metrics_import_no_torch():
     # The coordinator imports specdec.metrics and must stay torch-free (DESIGN.md section 1).
     import subprocess
     import sys
-    code = "import sys, specdec.metrics, specdec.cost_model; sys.exit('torch' in sys.modules)"
+    code = ("import sys, specdec.metrics, specdec.cost_model, coordinator.service, coordinator.__main__; "
+            "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=__file__.rsplit("/tests/", 1)[0]).returncode == 0
 
 
