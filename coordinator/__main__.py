@@ -23,7 +23,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--tokenizer", default=None,
                    help="folder with tokenizer.json (default: the target's model folder)")
     p.add_argument("--max-batch-size", type=int, default=d["max_batch_size"].default)
-    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default)
+    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default,
+                   help="requests that may wait for a batch slot or KV; more are refused (RESOURCE_EXHAUSTED)")
     p.add_argument("--num-draft", type=int, default=d["num_draft"].default,
                    help="draft tokens per step when a request does not say")
     p.add_argument("--max-num-draft", type=int, default=d["max_num_draft"].default)

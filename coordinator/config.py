@@ -20,7 +20,7 @@ class CoordinatorConfig:
     metrics_port: int = -1            # Prometheus /metrics; 0: a free port (logged); -1: none
     tokenizer: str | None = None      # folder or tokenizer.json; None: the target's model folder
     max_batch_size: int = 32          # sequences in one step
-    max_waiting: int = 64             # admitted requests queued behind a full batch
+    max_waiting: int = 64             # requests queued behind a batch that slots or KV keep full
     num_draft: int = 4                # default draft tokens per step
     max_num_draft: int = 8            # most a request (or the auto policy) may ask for
     gamma_policy: str = "fixed"       # how num_draft is chosen when a request leaves it to us

@@ -4,7 +4,8 @@ New requests wait in a bounded queue and join the batch at a step boundary when 
 their KV reservation are free; finished ones leave at once. A request reserves, on each server, the
 KV blocks its longest possible sequence needs (prompt + max_new_tokens, capped by the model length),
 so a running batch never runs a server out of blocks mid-generation. Requests that can never fit,
-or that find the batch and the queue full, are refused with RESOURCE_EXHAUSTED.
+or that would leave more than max_waiting requests queued after the next admission (a batch slot
+the KV cannot fill is no place), are refused with RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -53,12 +54,35 @@ class Scheduler:
             raise Rejected(f"kv cache: the request needs {need} KV blocks on the target (prompt and "
                            f"max_new_tokens: {self.longest(seq)} tokens), the target has "
                            f"{self.target.blocks_total} in all; lower max_new_tokens")
-        if len(self.running) + len(self.waiting) >= self.max_batch_size + self.max_waiting:
+        if self._left_waiting(seq) > self.max_waiting:
             raise Rejected(f"capacity: {len(self.running)} requests running (max_batch_size "
-                           f"{self.max_batch_size}) and {len(self.waiting)} waiting (max_waiting "
+                           f"{self.max_batch_size}, {self.reserved_target} of {self.target.blocks_total} "
+                           f"target KV blocks reserved) and {len(self.waiting)} waiting (max_waiting "
                            f"{self.max_waiting}); retry later")
         self.waiting.append(seq)
         self._wake.set()
+
+    def _left_waiting(self, seq: Sequence) -> int:
+        """How many requests would still wait, with `seq` queued, after the next admission: FIFO
+        while a batch slot and the target KV allow, as admit() does. A free slot that the KV cannot
+        fill is no place in the batch, so --max-waiting bounds the queue under KV pressure too."""
+        slots = self.max_batch_size - len(self.running)
+        free = self.target.blocks_total - self.reserved_target
+        left = 0
+        for s in (*self.waiting, seq):
+            if s.done:
+                continue
+            need = self.target.blocks_for(self.longest(s))
+            if not left and slots > 0 and need <= free:
+                slots, free = slots - 1, free - need
+            else:
+                left += 1
+        return left
+
+    def drop_draft(self, seq: Sequence) -> None:
+        """The sequence goes on without the draft for good: its draft KV reservation comes back."""
+        self.reserved_draft -= seq.reserved_draft
+        seq.reserved_draft = 0
 
     def admit(self) -> list[Sequence]:
         """Moves waiting requests into the batch, oldest first, while slots and KV allow."""

@@ -322,6 +322,7 @@ class SpecLoop:
         log.warning("draft failed for sequence %d: %s", seq.seq_id, reason)
         seq.use_draft = False
         self.scheduler.release_draft.add(seq.seq_id)
+        self.scheduler.drop_draft(seq)
         seq.draft_holds = False
 
     # --- pipelined speculation (--pipeline) --------------------------------------------------

@@ -28,12 +28,14 @@ def seq(tok, i, prompt_len=10, max_new=22, speculate=True) -> Sequence:
 
 def test_admission_respects_batch_size_kv_and_queue(tok):
     # 32 tokens = 2 blocks per request; the target has 5 blocks, the draft 2.
-    s = Scheduler(max_batch_size=3, max_waiting=0, target=KVCapacity("target", 5, 16),
+    s = Scheduler(max_batch_size=3, max_waiting=1, target=KVCapacity("target", 5, 16),
                   draft=KVCapacity("draft", 2, 16))
     a, b, c, d = (seq(tok, i) for i in range(4))
     for x in (a, b, c):
         s.submit(x)
-    with pytest.raises(Rejected, match="max_batch_size 3"):
+    # c will wait (KV for two), d would be a second waiting one: the free batch slot does not
+    # count, the KV cannot fill it.
+    with pytest.raises(Rejected, match="max_batch_size 3, 0 of 5 target KV blocks reserved"):
         s.submit(d)
     assert s.admit() == [a, b]  # c waits for KV although a batch slot is free
     assert a.use_draft and not b.use_draft  # no draft room for b: plain decoding
