@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -42,8 +41,9 @@ from protos import specdec_pb2 as pb
 from protos.wire import pack_ids, unpack_ids
 from specdec.block_manager import BlockManager
 from specdec.metrics import CoordinatorMetrics
+from tests.helpers.fake_servers import QuietServer
 from tests.helpers.tiny_models import _tokenizer_json
-from tests.unit.test_spec_loop_faults import V, model, rpc_error
+from tests.unit.test_spec_loop_faults import V, model, one_hot, rpc_error
 
 MAX_LEN = 128
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
@@ -88,7 +88,7 @@ class Refuse(Exception):
 
 
 # --- fake servers with real KV bookkeeping --------------------------------------------------------
-class KVServer:
+class KVServer(QuietServer):
     """What both fakes share: a BlockManager as large as the KV the coordinator was told about,
     the reservations the scheduler made per sequence (filled in by the harness at admission), and
     the violations a real server would turn into failures."""
@@ -120,14 +120,6 @@ class KVServer:
             self._forget(i)
         return pb.ReleaseResponse()
 
-    async def wait_ready(self, timeout: float):
-        return pb.ModelInfo()
-
-    def reset(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     def _admit(self, seq_id: int, kv_len_after: int, budget: list[int], what: str) -> None:
         """The engine's admit(): the blocks to reach kv_len_after must be free (not promised to
@@ -231,13 +223,6 @@ class KVTarget(KVServer):
                 r.next_token = model(ctx)
             self.bm.truncate(s.seq_id, len(ctx))  # rejected drafts roll back
         return response
-
-
-def one_hot(tokens: list[int]) -> pb.Probs:
-    w = np.zeros((len(tokens), V), dtype="<f2")
-    w[np.arange(len(tokens)), tokens] = 1
-    return pb.Probs(encoding=pb.PROBS_ENCODING_DENSE_FP16, rows=len(tokens), vocab_size=V,
-                    values=w.tobytes())
 
 
 @dataclass

@@ -23,6 +23,7 @@ from coordinator.tokenizer import TextTokenizer
 from protos import specdec_pb2 as pb
 from protos.wire import pack_ids, unpack_ids
 from specdec.metrics import CoordinatorMetrics
+from tests.helpers.fake_servers import QuietServer
 from tests.helpers.tiny_models import _tokenizer_json
 
 V = 320
@@ -47,7 +48,7 @@ def rpc_error(code=grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "fake server down")
 
 
-class FakeServer:
+class FakeServer(QuietServer):
     def __init__(self, role: str):
         self.role = role
         self.held: dict[int, list[int]] = {}
@@ -62,15 +63,6 @@ class FakeServer:
         for i in seq_ids:
             self.held.pop(i, None)
         return pb.ReleaseResponse()
-
-    async def wait_ready(self, timeout: float):
-        return pb.ModelInfo()
-
-    def reset(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 class FakeTarget(FakeServer):
