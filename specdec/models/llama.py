@@ -30,6 +30,12 @@ class TensorParallel:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside world size {self.size}")
+        # The all-reduce sums over the default process group: it must hold exactly these ranks
+        # (in a larger or smaller group the sums are of other shards or of too few, silently).
+        dist = torch.distributed
+        if self.size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.size:
+            raise ValueError(f"tensor-parallel size {self.size} differs from the process group's world "
+                             f"size {dist.get_world_size()}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -96,20 +96,29 @@ def _place(model: LlamaModel, hf_name: str, tensor: torch.Tensor) -> bool:
             size = heads * attn.head_dim
             offset = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[proj]
             dst = getattr(attn.qkv_proj, kind)[offset:offset + size]
-            return _copy(dst, tensor[r * size:(r + 1) * size], hf_name)
+            return _copy(dst, _shard(tensor, 0, size, tp, hf_name), hf_name)
         if proj in ("gate_proj", "up_proj"):
             offset = 0 if proj == "gate_proj" else mlp.inter
             dst = getattr(mlp.gate_up_proj, kind)[offset:offset + mlp.inter]
-            return _copy(dst, tensor[r * mlp.inter:(r + 1) * mlp.inter], hf_name)
+            return _copy(dst, _shard(tensor, 0, mlp.inter, tp, hf_name), hf_name)
         if proj in ("o_proj", "down_proj"):
             mod = attn.o_proj if proj == "o_proj" else mlp.down_proj
             if kind == "bias":
                 return _copy(mod.bias, tensor, hf_name)
-            cols = mod.weight.shape[1]
-            return _copy(mod.weight, tensor[:, r * cols:(r + 1) * cols], hf_name)
+            return _copy(mod.weight, _shard(tensor, 1, mod.weight.shape[1], tp, hf_name), hf_name)
     if name in params:
         return _copy(params[name], tensor, hf_name)
     return False
+
+
+def _shard(tensor: torch.Tensor, dim: int, size: int, tp: TensorParallel, hf_name: str) -> torch.Tensor:
+    """This rank's `size` along `dim` of a checkpoint tensor that must hold exactly tp.size of them
+    there: a larger tensor (config.json says fewer heads, a narrower MLP, another head_dim) is an
+    error, not something to cut to the first rows."""
+    if tensor.dim() <= dim or tensor.shape[dim] != size * tp.size:
+        raise CheckpointError(f"tensor {hf_name}: shape {tuple(tensor.shape)} does not fit the config "
+                              f"({size * tp.size} along dimension {dim})")
+    return tensor.narrow(dim, tp.rank * size, size)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str) -> bool:
