@@ -25,7 +25,7 @@ class CoordinatorConfig:
     max_num_draft: int = 8            # most a request (or the auto policy) may ask for
     gamma_policy: str = "fixed"       # how num_draft is chosen when a request leaves it to us
     spec_max_batch: int = 0           # steps with more running sequences decode plainly; 0: no limit
-    prefill_chunk: int = 512          # prompt tokens per target step (longer prompts are chunked)
+    prefill_chunk: int = 512          # prompt tokens per target step, all prompts together (chunked)
     connect_timeout_s: float = 60.0   # how long start-up, and recovery from a lost target, wait for a server
     target_timeout_s: float = 120.0   # a target step slower than this counts as the target lost
     draft_timeout_s: float = 30.0     # a draft step slower than this counts as the draft failing

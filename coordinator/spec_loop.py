@@ -151,11 +151,30 @@ class SpecLoop:
             return
 
     # --- one step ----------------------------------------------------------------------------
-    def _plan(self, seq: Sequence, batch: int) -> Plan:
-        chunk = self.config.prefill_chunk
+    def _plan(self, seq: Sequence, batch: int, chunk: int) -> Plan:
+        """chunk: the prompt tokens this sequence may send in this step."""
         if seq.prefilling and len(seq.target_pending) > chunk:
             return Plan(seq, seq.target_pending[:chunk], partial=True)
         return Plan(seq, list(seq.target_pending), num_draft=self._num_draft(seq, batch))
+
+    def _plans(self, seqs: list[Sequence]) -> list[Plan]:
+        """The step's plans. --prefill-chunk bounds the prompt tokens of the whole step (a step of
+        several joining prompts stays within the target's prefill graph buckets, and the decode
+        of the others is not held up by more than one chunk): prompts take it in batch order, and a
+        prompt left without any this step sits the step out. Decode and verify sequences always
+        take part."""
+        budget = self.config.prefill_chunk
+        plans = []
+        for seq in seqs:
+            if seq.prefilling:
+                if budget <= 0:
+                    continue
+                plan = self._plan(seq, len(seqs), budget)
+                budget -= len(plan.target_new)
+            else:
+                plan = self._plan(seq, len(seqs), budget)
+            plans.append(plan)
+        return plans
 
     def _num_draft(self, seq: Sequence, batch: int) -> int:
         cfg = self.config
@@ -185,7 +204,8 @@ class SpecLoop:
             stats = self.metrics.stats
             window = stats.window()
             self._policy_inputs = (window.alpha, stats.c.get(bucket_for(len(seqs), stats.buckets), window.c))
-        plans = [self._plan(seq, len(seqs)) for seq in seqs]
+        plans = self._plans(seqs)
+        seqs = [p.seq for p in plans]
         if self.pipeline:
             self._take_ahead(plans)
         t0 = time.perf_counter()

@@ -413,13 +413,18 @@ class Harness:
             v.append(f"step {request.step}: {len(ids)} sequences, max_batch_size {self.config.max_batch_size}")
         if len(set(ids)) != len(ids):
             v.append(f"step {request.step}: a sequence twice")
-        running = {s.seq_id for s in self.sched.running}
-        if set(ids) != running:  # every running sequence takes part in every step
-            v.append(f"step {request.step}: verifies {sorted(ids)}, running {sorted(running)}")
-        for s in request.seqs:
-            if len(unpack_ids(s.new_tokens)) > self.config.prefill_chunk:
-                v.append(f"step {request.step}: sequence {s.seq_id} feeds {len(unpack_ids(s.new_tokens))} "
-                         f"tokens, prefill_chunk {self.config.prefill_chunk}")
+        # Every running sequence takes part in every step, except prompts once the step's prompt
+        # tokens (--prefill-chunk, all prompts together) are spent; the first prompt always does.
+        running = self.sched.running
+        decoding = {s.seq_id for s in running if not s.prefilling}
+        prompts = [s.seq_id for s in running if s.prefilling]
+        if not decoding <= set(ids) or not set(ids) <= {s.seq_id for s in running} \
+                or (prompts and prompts[0] not in ids):
+            v.append(f"step {request.step}: verifies {sorted(ids)}, running {sorted(s.seq_id for s in running)}")
+        fed = [len(unpack_ids(s.new_tokens)) for s in request.seqs]
+        prompt_tokens = sum(n for n in fed if n > 1)
+        if prompt_tokens > self.config.prefill_chunk:
+            v.append(f"step {request.step}: {prompt_tokens} prompt tokens, prefill_chunk {self.config.prefill_chunk}")
 
     # --- driving ---
     def start(self) -> None:

@@ -539,3 +539,45 @@ def test_other_refusals_still_fail_the_request(tmp_path):
     results, _, _ = run_batch(tmp_path, FakeDraft(), (0.0,), target)
     (tokens, end), = results
     assert isinstance(end, Abort) and end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "new_tokens" in end.message
+
+
+def test_prefill_chunk_bounds_the_prompt_tokens_of_a_whole_step(tmp_path):
+    """--prefill-chunk is the step's budget of prompt tokens, all joining prompts together (three
+    100-token prompts at chunk 16 put 48 in one step before): every step stays within it, the
+    first prompt in the batch always gets some, a decoding sequence takes part in every step, and
+    every output is exact."""
+    prompts = {i: tuple((7 * i + j) % V for j in range(100)) for i in (2, 3, 4)}
+
+    async def main():
+        loop, sched, target = make_loop(FakeDraft(), prefill_chunk=16)
+        fed, real_step = [], target.step
+
+        async def step(request, timeout=None):
+            fed.append({s.seq_id: len(unpack_ids(s.new_tokens)) for s in request.seqs})
+            return await real_step(request, timeout)
+        target.step = step
+        task = asyncio.create_task(loop.run())
+        tok = tokenizer(tmp_path)
+        first = new_seq(tok, 1, max_new_tokens=300)
+        sched.submit(first)
+        while not fed:
+            await asyncio.sleep(0)
+        seqs = [first]
+        for i, p in prompts.items():
+            params = GenParams(request_id=str(i), prompt_ids=p, max_new_tokens=8, sampling=Sampling(seed=i))
+            seqs.append(Sequence(seq_id=i, params=params, max_len=MAX_LEN, tokenizer=tok))
+            sched.submit(seqs[-1])
+        try:
+            results = await asyncio.gather(*(collect(s) for s in seqs))
+        finally:
+            task.cancel()
+        return fed, results
+    fed, results = asyncio.run(main())
+    assert results[0][0] == plain_greedy(PROMPT, 300)
+    for (tokens, end), i in zip(results[1:], prompts):
+        assert end == Finish.LENGTH and tokens == plain_greedy(prompts[i], 8)
+    prompt_steps = [f for f in fed if any(n > 1 and k in prompts for k, n in f.items())]
+    assert len(prompt_steps) >= 300 // 16
+    for f in prompt_steps:
+        assert sum(n for k, n in f.items() if k in prompts and n > 1) <= 16, f  # 1: decoding already
+        assert 1 in f  # the decoding request is in every step
