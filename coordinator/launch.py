@@ -136,18 +136,17 @@ def start_healthy(proc: Proc, timeout: float, attempts: int = 3) -> Proc:
     """wait_healthy for a process whose ports free_port chose: when another process took one of them
     between the choice and the bind (any outgoing connection's ephemeral port can), the process dies
     saying so at once; it is then started again on fresh ports, up to `attempts` runs in all."""
-    for attempt in range(1, attempts + 1):
+    for _ in range(attempts - 1):
         try:
             wait_healthy(proc, timeout)
             return proc
         except LaunchError:
-            lost_port = proc.popen.poll() is not None and any(
-                m in proc.log_since_start() for m in _BIND_FAILURES)
-            if attempt == attempts or not lost_port:
+            if proc.popen.poll() is None or not any(m in proc.log_since_start() for m in _BIND_FAILURES):
                 raise
         _fresh_ports(proc)
         start_process(proc)
-    raise AssertionError("unreachable")
+    wait_healthy(proc, timeout)
+    return proc
 
 
 def _fresh_ports(proc: Proc) -> None:

@@ -63,21 +63,28 @@ class Scheduler:
         self._wake.set()
 
     def _left_waiting(self, seq: Sequence) -> int:
-        """How many requests would still wait, with `seq` queued, after the next admission: FIFO
-        while a batch slot and the target KV allow, as admit() does. A free slot that the KV cannot
-        fill is no place in the batch, so --max-waiting bounds the queue under KV pressure too."""
+        """How many requests would still wait, with `seq` queued, after the next admission. A free
+        slot that the KV cannot fill is no place in the batch, so --max-waiting bounds the queue
+        under KV pressure too."""
+        queue = [s for s in (*self.waiting, seq) if not s.done]
+        return len(queue) - len(self._admissible(queue))
+
+    def _admissible(self, queue) -> list[Sequence]:
+        """The requests of `queue` (oldest first) the next admission takes: each while a batch slot
+        and its target KV reservation are free, stopping at the first that does not fit (finished
+        ones are skipped)."""
         slots = self.max_batch_size - len(self.running)
         free = self.target.blocks_total - self.reserved_target
-        left = 0
-        for s in (*self.waiting, seq):
-            if s.done:
+        taken = []
+        for seq in queue:
+            if seq.done:
                 continue
-            need = self.target.blocks_for(self.longest(s))
-            if not left and slots > 0 and need <= free:
-                slots, free = slots - 1, free - need
-            else:
-                left += 1
-        return left
+            need = self.target.blocks_for(self.longest(seq))
+            if len(taken) == slots or need > free:
+                break
+            taken.append(seq)
+            free -= need
+        return taken
 
     def drop_draft(self, seq: Sequence) -> None:
         """The sequence goes on without the draft for good: its draft KV reservation comes back."""
@@ -86,16 +93,11 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Moves waiting requests into the batch, oldest first, while slots and KV allow."""
-        admitted = []
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            if seq.done:
-                self.waiting.popleft()
-                continue
+        admitted = self._admissible(self.waiting)
+        for seq in admitted:
+            while self.waiting.popleft() is not seq:  # finished ones queued before it go too
+                pass
             need = self.target.blocks_for(self.longest(seq))
-            if self.reserved_target + need > self.target.blocks_total:
-                break
-            self.waiting.popleft()
             seq.reserved_target = need
             self.reserved_target += need
             if seq.params.speculate and self.draft is not None:
@@ -106,7 +108,6 @@ class Scheduler:
                     seq.reserved_draft = dneed
                     self.reserved_draft += dneed
             self.running.append(seq)
-            admitted.append(seq)
         return admitted
 
     def retire(self, seq: Sequence) -> None:

@@ -166,14 +166,11 @@ class SpecLoop:
         budget = self.config.prefill_chunk
         plans = []
         for seq in seqs:
+            if seq.prefilling and budget <= 0:
+                continue
+            plans.append(self._plan(seq, len(seqs), budget))
             if seq.prefilling:
-                if budget <= 0:
-                    continue
-                plan = self._plan(seq, len(seqs), budget)
-                budget -= len(plan.target_new)
-            else:
-                plan = self._plan(seq, len(seqs), budget)
-            plans.append(plan)
+                budget -= len(plans[-1].target_new)
         return plans
 
     def _num_draft(self, seq: Sequence, batch: int) -> int:

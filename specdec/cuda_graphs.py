@@ -324,7 +324,7 @@ class GraphedForward(GraphCaptures):
         [steps, n] ids: the argmaxes, or with `sampled` the draws of the sampled chain, written to
         rows start .. start + steps - 1 of its token rows. The static inputs move on, so the batch
         is spent afterwards."""
-        g = self._staged_graph(batch)
+        g = self.staged_graph(batch)
         b, q, _ = batch.graph_key
         c = (self.sampled_chains if sampled else self.chains).get(b)
         if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX or not 0 <= start <= c.tokens.shape[0] - steps:
@@ -362,11 +362,8 @@ class GraphedForward(GraphCaptures):
         return None if batch.graph_key is None else self._replay_staged(batch)
 
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
-        """The graph holding a staged batch (benchmarks replay its .graph directly)."""
-        return self._staged_graph(batch)
-
-    def _staged_graph(self, batch: ForwardBatch) -> _Graph:
-        """The graph whose static inputs hold `batch` as prepare() staged it (input_ids aside)."""
+        """The graph whose static inputs hold `batch` as prepare() staged it (input_ids aside;
+        benchmarks replay its .graph directly)."""
         b, q, stamp = batch.graph_key
         g = self.graphs.get((b, q))
         if g is None or stamp != g.stamp:
@@ -383,7 +380,7 @@ class GraphedForward(GraphCaptures):
         return g
 
     def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
-        g = self._staged_graph(batch)
+        g = self.staged_graph(batch)
         s = g.batch
         t = batch.input_ids.numel()
         if batch.input_ids.data_ptr() != s.input_ids.data_ptr():  # ids replaced on the device

@@ -211,10 +211,9 @@ class ModelEngine:
                 p = plan(i, seq)
                 if seq.first and seq.seq_id in self.runner.blocks:
                     self._forget(seq.seq_id)
-                available = self.num_free_blocks - promised
-                budget = [available]
-                p.admission = self.admit(seq.seq_id, p.kv_len_after, budget)
-                promised += available - budget[0]
+                need = self.blocks_to_grow(seq.seq_id, p.kv_len_after)
+                p.admission = self.admit(seq.seq_id, need, self.num_free_blocks - promised)
+                promised += need
                 plans.append(p)
             except SeqFailure as f:
                 errors[i] = f.error
@@ -225,16 +224,15 @@ class ModelEngine:
         have = len(blocks.block_table(seq_id)) if seq_id in blocks else 0
         return max(0, blocks.blocks_needed(kv_len_after) - have)
 
-    def admit(self, seq_id: int, kv_len_after: int, budget: list[int]) -> Admission:
-        """Reserves (in `budget`, the free blocks not yet promised this step) the blocks a sequence
-        needs to reach kv_len_after; creates it if new. Raises RESOURCE_EXHAUSTED without side
-        effects when they are not free, so a failing new sequence leaves nothing behind."""
-        need = self.blocks_to_grow(seq_id, kv_len_after)
-        if need > budget[0]:
+    def admit(self, seq_id: int, need: int, available: int) -> Admission:
+        """Admits a sequence that needs `need` more blocks this step, of `available` (free and not
+        promised to an earlier sequence of the step); creates it if new. Raises RESOURCE_EXHAUSTED
+        without side effects when they are not there, so a failing new sequence leaves nothing
+        behind."""
+        if need > available:
             raise SeqFailure(Code.RESOURCE_EXHAUSTED,
-                             f"kv cache: sequence {seq_id} needs {need} more blocks, {budget[0]} free "
+                             f"kv cache: sequence {seq_id} needs {need} more blocks, {available} free "
                              f"of {self.runner.blocks.num_blocks}")
-        budget[0] -= need
         is_new = seq_id not in self.runner.blocks
         if is_new:
             self.runner.add_sequence(seq_id)

@@ -43,7 +43,7 @@ from specdec.block_manager import BlockManager
 from specdec.metrics import CoordinatorMetrics
 from tests.helpers.fake_servers import QuietServer
 from tests.helpers.tiny_models import _tokenizer_json
-from tests.unit.test_spec_loop_faults import V, model, one_hot, rpc_error
+from tests.unit.test_spec_loop_faults import V, model, one_hot, rpc_error, verify_greedily
 
 MAX_LEN = 128
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
@@ -214,13 +214,7 @@ class KVTarget(KVServer):
         for s, r, start, new, drafts in plans:
             ctx = self.ctx[s.seq_id]
             if not s.partial_prefill:
-                for d in drafts:
-                    if d != model(ctx):
-                        break
-                    ctx.append(d)
-                    r.accepted += 1
-                self.accepted += r.accepted
-                r.next_token = model(ctx)
+                self.accepted += verify_greedily(ctx, drafts, r)
             self.bm.truncate(s.seq_id, len(ctx))  # rejected drafts roll back
         return response
 

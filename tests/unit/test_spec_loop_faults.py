@@ -101,14 +101,20 @@ class FakeTarget(FakeServer):
                 self.violations.append("sampled drafts without probs")
             if s.partial_prefill:
                 continue
-            for d in drafts:
-                if d != model(ctx):
-                    break
-                ctx.append(d)
-                r.accepted += 1
-            self.accepted += r.accepted
-            r.next_token = model(ctx)
+            self.accepted += verify_greedily(ctx, drafts, r)
         return response
+
+
+def verify_greedily(ctx: list[int], drafts: list[int], r: pb.VerifyResult) -> int:
+    """What a greedy target does with one sequence's drafts against model(): the accepted ones go
+    onto ctx, r gets accepted and next_token; returns accepted."""
+    for d in drafts:
+        if d != model(ctx):
+            break
+        ctx.append(d)
+        r.accepted += 1
+    r.next_token = model(ctx)
+    return r.accepted
 
 
 def one_hot(tokens: list[int]) -> pb.Probs:
