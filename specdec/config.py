@@ -179,6 +179,10 @@ def parse_size(text: str | int) -> int:
 # Prompt-chunk lengths with a CUDA graph each (per batch size) when EngineConfig does not say: up
 # to the coordinator's default 512-token chunk; a chunk over the largest runs eagerly.
 DEFAULT_GRAPH_PREFILL_LENS = (16, 32, 64, 128, 256, 512)
+# One shorter decode/verify graph set by default: on the H200 (session 14, bench/timeline.py) the 7B's
+# b 1 forward at a 128-token context took 3837 us on graphs planned for a 4096 bound and 3747 us on
+# a 256 set (the attention's split merge 112 -> 27 us over 32 layers).
+DEFAULT_GRAPH_CONTEXT_LENS = (256,)
 
 
 @dataclass(frozen=True)
@@ -206,8 +210,9 @@ class EngineConfig:
     # cuda_graphs.py); () none; None: DEFAULT_GRAPH_PREFILL_LENS up to max_model_len
     graph_prefill_lens: tuple[int, ...] | None = None
     # Shorter context bounds, each with a decode/verify graph set of its own, planned for that
-    # bound (cuda_graphs.GraphSets: fewer KV splits at short contexts); () only max_model_len's
-    graph_context_lens: tuple[int, ...] = ()
+    # bound (cuda_graphs.GraphSets: fewer KV splits at short contexts); () only max_model_len's;
+    # None: DEFAULT_GRAPH_CONTEXT_LENS (bounds at or over max_model_len are dropped)
+    graph_context_lens: tuple[int, ...] | None = None
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)
     # with random_weights: weights whose greedy next token agrees with a shared reference map on this
     # fraction of the vocabulary (models/synthetic.py; the target 1.0, a draft its α); None: plain
@@ -232,8 +237,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
                 raise ConfigError(f"{name} must be positive, got {value}")
-        if self.graph_context_lens is None:  # as --graph-context-lens none: no shorter bound
-            object.__setattr__(self, "graph_context_lens", ())
+        if self.graph_context_lens is None:
+            object.__setattr__(self, "graph_context_lens", DEFAULT_GRAPH_CONTEXT_LENS)
         for name in ("graph_prefill_lens", "graph_context_lens"):
             value = getattr(self, name)
             if value and min(value) < 1:

@@ -166,7 +166,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--graph-context-lens",
                    help="comma-separated context bounds below max-model-len, each with a decode/verify "
                         "graph set planned for it (fewer attention KV splits while every sequence of a "
-                        "step is that short; cuda_graphs.GraphSets); default (or 'none'): none")
+                        "step is that short; cuda_graphs.GraphSets); 'none' for none (default: 256)")
     p.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32",
                    help="comma-separated batch buckets to graph (larger batches run eagerly)")
     p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
@@ -200,8 +200,9 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             graph_query_lens=(_ints(a.graph_query_lens, "--graph-query-lens")
                               if a.graph_query_lens else None),
             graph_batch_sizes=_ints(a.graph_batch_sizes, "--graph-batch-sizes"),
-            graph_context_lens=(_ints(a.graph_context_lens, "--graph-context-lens")
-                                if a.graph_context_lens not in (None, "none") else ()),
+            graph_context_lens=(None if a.graph_context_lens is None else ()
+                                if a.graph_context_lens == "none"
+                                else _ints(a.graph_context_lens, "--graph-context-lens")),
             graph_prefill_lens=(None if a.graph_prefill_lens is None else ()
                                 if a.graph_prefill_lens == "none"
                                 else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from specdec.config import CacheConfig, ConfigError, EngineConfig
+from specdec.config import DEFAULT_GRAPH_CONTEXT_LENS, CacheConfig, ConfigError, EngineConfig
 from specdec.cuda_graphs import GraphedForward, GraphSets
 from specdec.kernels.triton_attention import TritonAttention
 from specdec.models.loader import build_model, init_random
@@ -141,10 +141,11 @@ def test_context_lens_in_config_and_on_the_command_line(tmp_path):
     config, _, _ = config_from_args("target", ["--model", str(tmp_path), "--graph-context-lens", "256,1024"])
     assert config.engine.graph_context_lens == (256, 1024)
     config, _, _ = config_from_args("draft", ["--model", str(tmp_path)])
-    assert config.engine.graph_context_lens == ()
+    assert config.engine.graph_context_lens == DEFAULT_GRAPH_CONTEXT_LENS == (256,)
     config, _, _ = config_from_args("target", ["--model", str(tmp_path), "--graph-context-lens", "none"])
     assert config.engine.graph_context_lens == ()
-    assert EngineConfig(model=tmp_path, graph_context_lens=None).graph_context_lens == ()
+    assert EngineConfig(model=tmp_path, graph_context_lens=None).graph_context_lens == (256,)
+    assert EngineConfig(model=tmp_path, graph_context_lens=()).graph_context_lens == ()
     with pytest.raises(ConfigError, match="graph_context_lens"):
         EngineConfig(model=tmp_path, graph_context_lens=(0, 256))
 
