@@ -18,6 +18,13 @@ Per batch size, side by side in one run on the same engines:
 services would reach with free transport. `verify / decode` compares the target's wall times.
 --profile adds a torch.profiler table of 8 speculative steps at the first batch size (top device
 kernels and host ops). Writes bench/results/anatomy.json.
+
+    python3 bench/anatomy.py --tensor-parallel 1 2 [--draft-device cuda:1]
+
+runs the same rows once per target tensor-parallel size (serving/tensor_parallel.py: ranks on
+cuda:0.., rank 0 in this process, the mirrored calls sent to the others as a server sends them),
+side by side with ratios to the first size, into bench/results/anatomy_tp.json. Replays are not
+timed there: a rank-0 replay alone would wait for the other ranks in its all-reduce.
 """
 from __future__ import annotations
 
@@ -43,18 +50,24 @@ JOIN_PROMPT = 100  # a request joining a running batch: its prompt beside the ot
 
 
 def engines(target_dir: Path, draft_dir: Path, agreement: float, max_model_len: int, k: int,
-            device: str, batches: list[int], prefill_lens: tuple[int, ...] | None):
-    def config(path, agree):
-        return EngineConfig(model=str(path), device=device, dtype=torch.bfloat16, random_weights=True,
+            device: str, batches: list[int], prefill_lens: tuple[int, ...] | None,
+            tensor_parallel: int = 1, draft_device: str | None = None):
+    def config(path, agree, **kw):
+        return EngineConfig(model=str(path), dtype=torch.bfloat16, random_weights=True,
                             random_agreement=agree, max_model_len=max_model_len,
-                            kv_memory=(8 << 30) if device == "cuda" else (64 << 20),
+                            kv_memory=(8 << 30) if device.startswith("cuda") else (64 << 20),
                             max_num_draft=k, graph_batch_sizes=tuple(sorted(set(batches))),
                             warmup_batch_sizes=tuple(sorted(set(batches))),
-                            graph_prefill_lens=prefill_lens)
+                            graph_prefill_lens=prefill_lens, **kw)
     agree_t = 1.0 if agreement >= 0 else None
     agree_d = agreement if agreement >= 0 else None
-    target = TargetEngine(config(target_dir, agree_t))
-    draft = DraftEngine(config(draft_dir, agree_d))
+    if tensor_parallel == 1:
+        target = TargetEngine(config(target_dir, agree_t, device=device))
+    else:
+        from specdec.serving import tensor_parallel as tp
+        target = tp.start(TargetEngine, config(target_dir, agree_t, device=device,
+                                               tensor_parallel_size=tensor_parallel))
+    draft = DraftEngine(config(draft_dir, agree_d, device=draft_device or device))
     for e in (target, draft):
         e.warm_up()
     return draft, target
@@ -139,9 +152,10 @@ def med_ms(samples: list[dict], key: str) -> float:
     return 1e3 * statistics.median(s[key] for s in samples)
 
 
-def measure(draft, target, b: int, k: int, steps: int, seed: int) -> dict:
+def measure(draft, target, b: int, k: int, steps: int, seed: int, replays: bool = True) -> dict:
     row = {"batch": b, "k": k,
-           "replay_t1_ms": replay_ms(target, b, 1), "replay_tk_ms": replay_ms(target, b, k + 1),
+           "replay_t1_ms": replay_ms(target, b, 1) if replays else None,
+           "replay_tk_ms": replay_ms(target, b, k + 1) if replays else None,
            "replay_d1_ms": replay_ms(draft, b, 1), "chain_d_ms": chain_ms(draft, b)}
     loop = Loop(draft, target, b, k, seed)
     for _ in range(4):
@@ -197,8 +211,13 @@ def main() -> int:
     p.add_argument("--graph-prefill-lens", default=None,
                    help="comma-separated prompt-chunk lengths to graph, or 'none' (default: the engine's)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of small shapes (no graphs)")
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=None, metavar="N",
+                   help="target tensor-parallel sizes, timed one after the other (anatomy_tp.json)")
+    p.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
     a = p.parse_args()
     max_len = PROMPT + (a.steps + 16) * (a.k + 1) + 64
+    if a.tensor_parallel:
+        return main_tp(a, max_len)
     with tempfile.TemporaryDirectory() as tmp:
         t_dir = write_shape_folder(Path(tmp) / "target", a.target)
         d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
@@ -221,6 +240,42 @@ def main() -> int:
                        ("verify_wall_ms", "verify wall", ".3f"), ("verify_fwd_ms", "verify fwd", ".3f"),
                        ("verify_over_decode", "verify/decode", ".2f"),
                        ("join_wall_ms", f"join {JOIN_PROMPT} wall", ".3f"),
+                       ("tokens_per_step", "tok/step", ".2f"),
+                       ("in_process_speedup", "in-process x", ".2f")]))
+    print(f"wrote {path}")
+    return 0
+
+
+def main_tp(a, max_len: int) -> int:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
+        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
+        for size in a.tensor_parallel:
+            draft, target = engines(t_dir, d_dir, a.agreement, max_len, a.k, a.device, a.batches, None,
+                                    size, a.draft_device)
+            try:
+                for i, b in enumerate(a.batches):
+                    rows.append({"tp": size, **measure(draft, target, b, a.k, a.steps, seed=i, replays=size == 1)})
+            finally:
+                if size > 1:
+                    target.close()
+            del draft, target
+            torch.cuda.empty_cache()
+    base = {r["batch"]: r for r in rows if r["tp"] == a.tensor_parallel[0]}
+    for r in rows:
+        for key in ("plain_wall_ms", "verify_wall_ms", "spec_wall_ms"):
+            r[f"{key}_vs_first"] = r[key] / base[r["batch"]][key]
+    result = {"benchmark": "anatomy_tp", "environment": environment(), "target": a.target, "draft": a.draft,
+              "draft_device": a.draft_device or a.device, "k": a.k, "steps": a.steps,
+              "agreement": a.agreement, "rows": rows}
+    path = write_result("anatomy_tp", result)
+    print(table(rows, [("tp", "tp", "d"), ("batch", "b", "d"),
+                       ("plain_wall_ms", "plain wall", ".3f"), ("plain_fwd_ms", "plain fwd", ".3f"),
+                       ("plain_wall_ms_vs_first", "plain x first", ".2f"),
+                       ("draft_wall_ms", "draft wall", ".3f"),
+                       ("verify_wall_ms", "verify wall", ".3f"), ("verify_fwd_ms", "verify fwd", ".3f"),
+                       ("verify_wall_ms_vs_first", "verify x first", ".2f"),
                        ("tokens_per_step", "tok/step", ".2f"),
                        ("in_process_speedup", "in-process x", ".2f")]))
     print(f"wrote {path}")

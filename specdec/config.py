@@ -217,6 +217,8 @@ class EngineConfig:
     # with random_weights: weights whose greedy next token agrees with a shared reference map on this
     # fraction of the vocabulary (models/synthetic.py; the target 1.0, a draft its α); None: plain
     random_agreement: float | None = None
+    # Ranks of a tensor-parallel group, one process per GPU from `device` on (serving/tensor_parallel.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.device.startswith(("cpu", "cuda")):
@@ -231,6 +233,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_draft must be in 1..256, got {self.max_num_draft}")
         if self.probs_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"probs_dtype: expected float16 or bfloat16, got {self.probs_dtype}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.warmup_batch_sizes or min(self.warmup_batch_sizes) < 1:
             raise ConfigError(f"warmup_batch_sizes must be positive, got {self.warmup_batch_sizes}")
         for name in ("graph_query_lens", "graph_batch_sizes"):

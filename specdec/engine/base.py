@@ -18,6 +18,7 @@ import torch
 
 from specdec.config import DEFAULT_GRAPH_PREFILL_LENS, CacheConfig, ConfigError, EngineConfig, ModelConfig
 from specdec.kv_cache import KVCache
+from specdec.models.llama import TensorParallel
 from specdec.models.loader import build_model, init_random, load_model
 from specdec.models.synthetic import init_agreeing
 from specdec.runner import ModelRunner, SeqInput
@@ -57,8 +58,11 @@ class Admission:
 
 
 class ModelEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel()):
+        """tp: this process's rank of a tensor-parallel group (serving/tensor_parallel.py builds one
+        engine per rank, each over its shard of the weights and KV heads)."""
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches and CUDA-graph capture use the thread's current device, not the
@@ -69,14 +73,14 @@ class ModelEngine:
             pdl.set_enabled(config.pdl)
         if config.random_weights:  # benchmarks of a shape: no checkpoint to write, read or load
             self.model_config = ModelConfig.from_path(config.model)
-            model = build_model(self.model_config, config.dtype, self.device,
+            model = build_model(self.model_config, config.dtype, self.device, tp,
                                 gemv_kernels=config.gemv_kernels)
             if config.random_agreement is None:
                 init_random(model)
             else:
                 init_agreeing(model, config.random_agreement)
         else:
-            model, self.model_config = load_model(config.model, config.dtype, self.device,
+            model, self.model_config = load_model(config.model, config.dtype, self.device, tp,
                                                   gemv_kernels=config.gemv_kernels)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position
@@ -133,6 +137,10 @@ class ModelEngine:
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         budget = cfg.kv_memory if cfg.kv_memory is not None else cfg.default_kv_memory(free)
         blocks = budget // per_block
+        if self.tp.size > 1:  # every rank holds the same block table: the fewest blocks any GPU fits
+            least = torch.tensor([blocks], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+            blocks = int(least.item())
         if blocks < 1:
             raise ConfigError(f"kv_memory: {budget} bytes is less than one KV block ({per_block} bytes)")
         return blocks
@@ -165,8 +173,16 @@ class ModelEngine:
             kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free,
             block_size=blocks.block_size, device=str(self.device),
             dtype=str(self.config.dtype).removeprefix("torch."), eos_token_ids=mc.eos_token_ids,
-            num_sequences=self.num_sequences(), tensor_parallel_size=1,
-            device_uuids=device_uuids(self.device), max_num_draft=self.config.max_num_draft)
+            num_sequences=self.num_sequences(), tensor_parallel_size=self.tp.size,
+            device_uuids=tuple(u for d in self._rank_devices() for u in device_uuids(d)),
+            max_num_draft=self.config.max_num_draft)
+
+    def _rank_devices(self) -> list[torch.device]:
+        """The devices of every rank of this engine's group (consecutive GPUs from rank 0's)."""
+        if self.device.type != "cuda" or self.tp.size == 1:
+            return [self.device]
+        first = (self.device.index or 0) - self.tp.rank
+        return [torch.device("cuda", first + r) for r in range(self.tp.size)]
 
     # --- validation --------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], field: str) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import EngineConfig
+from specdec.models.llama import TensorParallel
 from specdec.runner import SeqInput
 from specdec.sampling.draft import draft_sample, greedy_tokens
 from specdec.sampling.graphs import GraphedSampler
@@ -49,8 +50,8 @@ class DraftEngine(ModelEngine):
     graph_chains = True  # greedy steps after the first run as one chain of graph replays
     sampler: GraphedSampler | None = None  # sampled drafts on CUDA graphs (set at capture)
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel()):
+        super().__init__(config, tp)
         self.states: dict[int, DraftState] = {}
 
     def _capture_graphs(self) -> None:

@@ -28,7 +28,9 @@ from specdec.engine.base import ModelEngine
 from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
 from specdec.profiling import profile_dir, write_profile
+from specdec.serving import tensor_parallel
 from specdec.serving.errors import ErrorInterceptor, NotReady
+from specdec.serving.tensor_parallel import TensorParallelEngine
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "step is that short; cuda_graphs.GraphSets); 'none' for none (default: 256)")
     p.add_argument("--graph-batch-sizes", default="1,2,4,8,16,32",
                    help="comma-separated batch buckets to graph (larger batches run eagerly)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N GPUs from --device on, one process each (this one "
+                        "serves gRPC; serving/tensor_parallel.py); the KV heads and the "
+                        "intermediate size must divide by N")
     p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
     p.add_argument("--busy-poll-ms", type=float,
                    help="after each step the event loop polls instead of sleeping for this long: "
@@ -207,7 +213,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                                 if a.graph_prefill_lens == "none"
                                 else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
-            gemv_kernels=a.gemv_kernels, pdl=a.pdl)
+            gemv_kernels=a.gemv_kernels, pdl=a.pdl, tensor_parallel_size=a.tensor_parallel_size)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms)
     except ValueError as e:
@@ -267,6 +273,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         await server.stop(config.grace_seconds)
         runtime.busy_poll.close()
         runtime.executor.shutdown(wait=True, cancel_futures=True)
+        if isinstance(runtime.engine, TensorParallelEngine):
+            runtime.engine.close()
         if metrics_server is not None:
             metrics_server.close()
         if runtime.profiler is not None:
@@ -274,8 +282,16 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
 
 
 def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConfig) -> ModelEngine:
-    engine = make_engine(config)
-    profile = engine.warm_up()
+    if config.tensor_parallel_size == 1:
+        engine = make_engine(config)
+        profile = engine.warm_up()
+    else:
+        engine = tensor_parallel.start(make_engine, config)
+        try:
+            profile = engine.warm_up()
+        except BaseException:
+            engine.close(timeout=5.0)
+            raise
     log.info("decode forward profile (batch: ms): %s",
              ", ".join(f"{b}: {s * 1e3:.3f}" for b, s in profile.items()))
     return engine

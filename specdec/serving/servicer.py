@@ -106,7 +106,7 @@ class ModelServicer:
 
         def release():
             engine = self.runtime.engine
-            released = engine.release(request.seq_ids)
+            released = engine.release(list(request.seq_ids))
             self.runtime.publish_state()
             return released, engine.num_free_blocks
         released, free = await self.runtime.call(release)

@@ -1,0 +1,240 @@
+"""Tensor-parallel model servers: one process per GPU, rank 0 serving gRPC (DESIGN section 4).
+
+`--tensor-parallel-size N` on a model server: the process that serves gRPC is rank 0 and holds the
+first device (`--device cuda:i`); it spawns ranks 1..N-1 on cuda:i+1..i+N-1. Every rank builds the
+same engine over its shard of the weights (llama.py: q/k/v and gate/up column-sharded, o and down
+row-sharded and all-reduced over NCCL; embedding and LM head replicated) and its shard of the KV
+heads. The engine calls that change state or run forwards (warm_up, propose, verify, release) are
+mirrored: rank 0 sends the call with its arguments down a pipe to every other rank, then runs it
+itself; the forwards meet in their all-reduces. Everything after the all-reduced hidden state is
+replicated and deterministic (the LM head, greedy picks, seeded sampling, acceptance), so every
+rank takes the same decisions and keeps the same KV bookkeeping without a second message. Each
+mirrored call carries rank 0's bookkeeping (sequences, free blocks, held tokens); a rank that finds
+its own different stops the group instead of running a forward whose all-reduce would never meet.
+
+Reads (info, metrics gauges, the profile) stay on rank 0. A rank that dies takes the server down
+(exit status 1): the others would wait in their next all-reduce for ever. On the CPU the ranks use
+gloo (tests); the rendezvous is a file, so no port can collide.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from specdec.config import ConfigError, EngineConfig
+from specdec.models.llama import TensorParallel
+
+log = logging.getLogger("specdec.tensor_parallel")
+
+# Engine methods every rank runs; anything else is read or set on rank 0 only.
+MIRRORED = frozenset({"warm_up", "propose", "verify", "release"})
+WATCH_INTERVAL_S = 1.0
+GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waits this long for a rank (loading a 70B shard)
+
+
+def rank_devices(device: str, size: int) -> list[str]:
+    """The device of each rank: consecutive GPUs from `device`'s index, or the CPU for every rank."""
+    if size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if not device.startswith("cuda"):
+        return [device] * size
+    first = torch.device(device).index or 0
+    available = torch.cuda.device_count()
+    if first + size > available:
+        raise ConfigError(f"tensor_parallel_size {size} from {device} needs GPUs {first}..{first + size - 1}; "
+                          f"{available} visible")
+    return [f"cuda:{first + r}" for r in range(size)]
+
+
+def init_rank(rank: int, size: int, rendezvous: str, device: str) -> None:
+    """Joins the group (NCCL on GPUs, gloo on the CPU) and runs one all-reduce, so that the
+    communicators exist before any CUDA graph captures a collective."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size,
+                            timeout=GROUP_TIMEOUT)
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != size:
+        raise RuntimeError(f"tensor-parallel rank {rank}: the group's first all-reduce gave {probe.item()}, "
+                           f"expected {size}")
+
+
+def leave_group(timeout: float = 10.0) -> None:
+    """Tears the group down. gloo: destroyed. NCCL: aborted, on a thread given `timeout` seconds:
+    on the H200 host destroy_process_group never returned once CUDA graphs had captured the
+    group's all-reduces (tests/helpers/tp_probe.py, session 14), and a server that is shutting down
+    must not wait for ever; the process exit frees what is left."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+        return
+    done = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="tp-abort", daemon=True)
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        log.warning("the NCCL group did not abort within %.0fs; leaving it to the process exit", timeout)
+
+
+def bookkeeping(engine) -> tuple:
+    """What every rank must agree on before a mirrored call: its sequences, their KV lengths and
+    the free blocks (the acceptance of the last verify decides the KV lengths)."""
+    runner = engine.runner
+    ids = sorted(runner.blocks.seq_ids())
+    return runner.blocks.num_free, tuple((s, runner.num_tokens(s)) for s in ids)
+
+
+def _exit_server(rank: int, status) -> None:
+    log.error("tensor-parallel rank %d exited (status %s): the server cannot go on without it; exiting",
+              rank, status)
+    logging.shutdown()
+    os._exit(1)
+
+
+class TensorParallelEngine:
+    """Rank 0's engine: the engine's attributes, with the MIRRORED calls sent to every rank first.
+    on_rank_lost(rank, exit status) runs (on a watch thread) when another rank exits while the group
+    is open; by default it ends this process."""
+
+    def __init__(self, engine, senders: list, workers: list, rendezvous_dir: str,
+                 on_rank_lost: Callable[[int, object], None] = _exit_server):
+        self.engine = engine
+        self._senders = senders
+        self._workers = workers
+        self._rendezvous_dir = rendezvous_dir
+        self._on_rank_lost = on_rank_lost
+        self._closing = threading.Event()
+        self._watch = threading.Thread(target=self._watch_ranks, name="tp-watch", daemon=True)
+        self._watch.start()
+
+    def __getattr__(self, name):
+        value = getattr(self.engine, name)
+        if name in MIRRORED:
+            def mirrored(*args, **kwargs):
+                # Pickled once, before anything is sent: a call that cannot be sent reaches no rank.
+                message = ForkingPickler.dumps((name, args, kwargs, bookkeeping(self.engine)))
+                for conn in self._senders:
+                    conn.send_bytes(message)
+                return value(*args, **kwargs)
+            return mirrored
+        return value
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self._workers) + 1
+
+    def _watch_ranks(self) -> None:
+        while not self._closing.wait(WATCH_INTERVAL_S):
+            lost = next(((r, p.exitcode) for r, p in enumerate(self._workers, start=1)
+                         if p.exitcode is not None), None)
+            if lost is not None and not self._closing.is_set():
+                self._on_rank_lost(*lost)
+                return
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops the other ranks (they leave their loop and the group) and waits for them."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        for conn in self._senders:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._workers:
+            proc.join(timeout)
+            if proc.exitcode is None:
+                proc.kill()
+        leave_group()
+        for path in Path(self._rendezvous_dir).glob("*"):
+            path.unlink(missing_ok=True)
+        os.rmdir(self._rendezvous_dir)
+
+
+def start(make_engine: Callable, config: EngineConfig,
+          on_rank_lost: Callable[[int, object], None] = _exit_server) -> TensorParallelEngine:
+    """Spawns ranks 1..N-1, joins the group as rank 0 and builds rank 0's engine."""
+    size = config.tensor_parallel_size
+    devices = rank_devices(config.device, size)
+    rendezvous_dir = tempfile.mkdtemp(prefix="specdec-tp-")
+    rendezvous = os.path.join(rendezvous_dir, "group")
+    ctx = multiprocessing.get_context("spawn")
+    senders, workers = [], []
+    level = logging.getLogger().level
+    for rank in range(1, size):
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
+                           args=(rank, size, rendezvous, dataclasses.replace(config, device=devices[rank]),
+                                 make_engine, receiver, level))
+        proc.start()
+        receiver.close()
+        senders.append(sender)
+        workers.append(proc)
+    log.info("tensor parallel over %s (rank 0 serves; ranks 1..%d are pids %s)", ", ".join(devices), size - 1,
+             ", ".join(str(p.pid) for p in workers))
+    try:
+        init_rank(0, size, rendezvous, devices[0])
+        engine = make_engine(config, tp=TensorParallel(0, size))
+    except BaseException:
+        for proc in workers:
+            proc.kill()
+        raise
+    return TensorParallelEngine(engine, senders, workers, rendezvous_dir, on_rank_lost)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose server process is gone (killed, crashed) exits too, even inside a collective."""
+    while os.getppid() == parent:
+        threading.Event().wait(WATCH_INTERVAL_S)
+    log.error("the serving process (pid %d) is gone; exiting", parent)
+    logging.shutdown()
+    os._exit(1)
+
+
+def _rank_main(rank: int, size: int, rendezvous: str, config: EngineConfig, make_engine: Callable,
+               conn, log_level: int) -> None:
+    """Ranks 1..N-1: build the engine, then run every call rank 0 sends until it sends None or goes."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="tp-parent", daemon=True).start()
+    if os.environ.get("SPECDEC_TP_HANG_DUMP_S"):  # diagnostics (tests/helpers/tp_probe.py): stacks of a hang
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["SPECDEC_TP_HANG_DUMP_S"]), exit=False)
+    init_rank(rank, size, rendezvous, config.device)
+    engine = make_engine(config, tp=TensorParallel(rank, size))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            log.error("rank 0 is gone; exiting")
+            break
+        if message is None:
+            break
+        name, args, kwargs, expected = message
+        mine = bookkeeping(engine)
+        if mine != expected:
+            log.error("rank %d's KV bookkeeping differs from rank 0's before %s (%s vs %s): the ranks "
+                      "diverged; stopping the group", rank, name, mine, expected)
+            logging.shutdown()
+            os._exit(3)
+        try:
+            getattr(engine, name)(*args, **kwargs)
+        except Exception:  # rank 0 runs the same call and answers the client; nothing to report here
+            log.debug("mirrored %s raised (as it does on rank 0)", name, exc_info=True)
+    if config.device.startswith("cuda"):
+        # Nothing of NCCL's teardown (see leave_group) runs here: the process exit frees it.
+        logging.shutdown()
+        os._exit(0)
+    leave_group()
