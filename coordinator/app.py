@@ -130,13 +130,22 @@ class Coordinator:
         self.loop.pipeline = on
 
     async def _check_draft(self) -> None:
+        """A draft server answering again (first contact, or back after a restart): its limits
+        are taken afresh, since a restarted server may run with another KV size or length.
+        Running sequences keep their reservations: one the new draft cannot hold is refused by it
+        and goes on by plain decoding (SpecLoop's draft-failure path)."""
         info = await self.draft.info(timeout=2.0)
         check_draft_compatible(self.target_info, info)
         self._apply_draft_info(info)  # a draft back after a restart may be on another GPU
-        if self.draft_info is None:
-            self.draft_info = info
-            self.scheduler.draft = _capacity("draft", info)
-            self.loop.draft_max_len = info.max_model_len
+        old = self.draft_info
+        if old is not None and (old.kv_blocks_total, old.block_size, old.max_model_len) != (
+                info.kv_blocks_total, info.block_size, info.max_model_len):
+            log.warning("draft server's limits changed: %d -> %d KV blocks of %d -> %d tokens, "
+                        "max_model_len %d -> %d", old.kv_blocks_total, info.kv_blocks_total, old.block_size,
+                        info.block_size, old.max_model_len, info.max_model_len)
+        self.draft_info = info
+        self.scheduler.draft = _capacity("draft", info)
+        self.loop.draft_max_len = info.max_model_len
 
     def start(self, on_failure: Callable[[str], Awaitable[None]] | None = None) -> None:
         """Starts the step loop; `on_failure(message)` is awaited if it ever dies."""

@@ -587,3 +587,25 @@ def test_prefill_chunk_bounds_the_prompt_tokens_of_a_whole_step(tmp_path):
     for f in prompt_steps:
         assert sum(n for k, n in f.items() if k in prompts and n > 1) <= 16, f  # 1: decoding already
         assert 1 in f  # the decoding request is in every step
+
+
+def test_a_draft_back_with_other_limits_is_taken_at_its_word(tmp_path):
+    """A draft server that comes back (after a restart) with a smaller KV and a shorter
+    max_model_len: the coordinator reserves against the new limits, so a request the new draft
+    cannot hold runs by plain decoding instead of being refused by it step after step."""
+    async def main():
+        target, draft = FakeTarget(), FakeDraft()
+        coord = Coordinator(config(), tokenizer(tmp_path), target, draft, target_info(), target_info(),
+                            CoordinatorMetrics(CollectorRegistry()))
+        smaller = pb.ModelInfo(vocab_size=V, max_model_len=MAX_LEN // 2, kv_blocks_total=1, block_size=16)
+
+        async def info(timeout=None):
+            return smaller
+        draft.info = info
+        await coord._check_draft()
+        assert coord.scheduler.draft.blocks_total == 1 and coord.loop.draft_max_len == MAX_LEN // 2
+        seq = coord.new_sequence(gen_params())        # 3 + 24 tokens: two blocks of 16
+        coord.scheduler.submit(seq)
+        assert coord.scheduler.admit() == [seq] and not seq.use_draft
+        await coord.close()
+    asyncio.run(main())
