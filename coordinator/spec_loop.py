@@ -269,23 +269,34 @@ class SpecLoop:
         drafting = [p for p in plans if p.num_draft > 0 and not p.ahead]
         if not drafting:
             return None
+        # Prompts being prefilled in chunks go to the draft chunk by chunk too (num_draft 0: it
+        # only appends), in the Propose the decoding sequences send anyway: else the draft took a
+        # whole prompt in the step of its last chunk, one long forward that held up every other
+        # sequence of that step. Steps without a decoding sequence send no Propose for this.
+        appending = [p for p in plans if p.partial and p.seq.use_draft and p.seq.draft_pending]
         request = pb.ProposeRequest(step=self._step_no)
-        for p in drafting:
+        for p in drafting + appending:
             seq = p.seq
             if seq.draft_resync:  # the server restarted or failed: release and start it afresh
                 if seq.draft_holds:
                     sched.release_draft.add(seq.seq_id)
                 seq.restart_draft()
                 seq.draft_resync = seq.draft_holds = False
+            if p.partial:  # the draft takes what the target takes (or less, if it lags)
+                new_tokens = seq.draft_pending[:len(p.target_new)]
+                seq.draft_pending = seq.draft_pending[len(new_tokens):]
+            else:
+                new_tokens = seq.draft_pending
             # A decode step feeds the draft 1 or 2 tokens (the correction; or the last draft and the
             # bonus token); more, or a fresh start, is a prefill the step's timing must not count.
-            p.draft_prefill = not seq.draft_holds or len(seq.draft_pending) > 2
+            p.draft_prefill = not seq.draft_holds or len(new_tokens) > 2
             request.seqs.add(seq_id=seq.seq_id, keep=seq.draft_keep,
-                             new_tokens=pack_ids(seq.draft_pending), num_draft=p.num_draft,
+                             new_tokens=pack_ids(new_tokens), num_draft=p.num_draft,
                              sampling=sampling_pb(seq), first=not seq.draft_holds)
             seq.draft_holds = True  # from here on the draft may hold it, whatever happens
         request.release.extend(sorted(sched.release_draft))
         sched.release_draft.clear()
+        sent = drafting + appending
         try:
             response = await self.draft.step(request, timeout=self.config.draft_timeout_s)
         except Exception as e:  # whatever the draft does wrong, the step goes on without it
@@ -294,16 +305,18 @@ class SpecLoop:
             for p in drafting:
                 p.num_draft = 0
             return None
-        if len(response.results) != len(drafting):
-            self.set_draft_down(f"{len(response.results)} results for {len(drafting)} sequences")
+        if len(response.results) != len(sent):
+            self.set_draft_down(f"{len(response.results)} results for {len(sent)} sequences")
             for p in drafting:
                 p.num_draft = 0
             return None
-        for p, r in zip(drafting, response.results):
+        for p, r in zip(sent, response.results):
             proposal = self._proposal(p.seq, r, p.num_draft)
             if proposal is None:
                 p.num_draft = 0
                 continue
+            if p.partial:
+                continue  # appended: nothing proposed, nothing to mirror
             p.drafts, p.probs = proposal
             p.seq.draft_proposed(p.drafts, rows=self._rows(p.probs))
         return response.timing
@@ -324,7 +337,7 @@ class SpecLoop:
             if r.HasField("error"):
                 raise BadProposal(r.error.message or "error without a message")
             proposal = checked_proposal(r, seq.seq_id, num_draft, self.vocab_size,
-                                        sampled=seq.params.sampling.temperature > 0)
+                                        sampled=seq.params.sampling.temperature > 0 and num_draft > 0)
         except BadProposal as e:
             # This sequence goes on without the draft; the rest of the batch is unaffected.
             self.metrics.count_error(status_from_code(r.error.code).name if r.error.code else "INTERNAL")

@@ -199,14 +199,10 @@ def test_counters_equal_what_the_target_verified(tmp_path, pipeline):
     assert get(reg, "specdec_mean_accepted_length") == pytest.approx(1 + accepted / spec_steps)
 
 
-def test_a_step_that_prefills_the_draft_is_marked_as_prefill(tmp_path):
-    # Found by this review (fixed): has_prefill came from the target's side only (p.partial or
-    # len(p.target_new) > 1). When a prompt's last target chunk is a single token (here: prompt of
-    # 3, --prefill-chunk 2), or the draft catches up after a restart (draft_resync) or after plain
-    # steps above --spec-max-batch, that step's Propose carries the whole prompt to the draft, yet
-    # the step counted as a decode step: its propose time (a draft prefill) entered c_system's
-    # per-drafted-token EMA and the step entered measured speedup. Decode steps stay decode steps.
-    loop, draft, verified, calls, results = run_loop(tmp_path, prefill_chunk=2)
+def prefill_marks(run) -> set:
+    """Per step of run_loop's result: has_prefill must say whether either server got a prompt; the
+    (draft got a prompt, target got a prompt, most tokens fed to the draft) of each step."""
+    loop, draft, verified, calls, results = run
     seen = set()
     for (request, _), (_, _, _, kw) in zip(verified, calls):
         fed = [s for r in draft.requests if r.step == request.step and not r.seqs[0].extend for s in r.seqs]
@@ -214,8 +210,23 @@ def test_a_step_that_prefills_the_draft_is_marked_as_prefill(tmp_path):
         prompt_to_target = any(s.partial_prefill or len(unpack_ids(s.new_tokens)) > 1 for s in request.seqs)
         assert kw["has_prefill"] == (prompt_to_draft or prompt_to_target), request.step
         seen.add((prompt_to_draft, prompt_to_target, max((len(unpack_ids(s.new_tokens)) for s in fed), default=0)))
-    assert (True, False, 3) in seen       # the draft alone got a prompt: the case that was missed
+    return seen
+
+
+def test_a_step_that_prefills_the_draft_is_marked_as_prefill(tmp_path):
+    # Found by this review (fixed): has_prefill came from the target's side only (p.partial or
+    # len(p.target_new) > 1). When a prompt's last target chunk is a single token, or the draft
+    # catches up after a restart (draft_resync) or after plain steps above --spec-max-batch, that
+    # step's Propose carries a prompt to the draft, yet the step counted as a decode step: its
+    # propose time (a draft prefill) entered c_system's per-drafted-token EMA and the step entered
+    # measured speedup. Decode steps stay decode steps. (Since session 14 a prompt prefilled in
+    # chunks beside decoding sequences reaches the draft chunk by chunk too, so the catch-up after
+    # --spec-max-batch is where the draft alone gets a prompt here.)
+    seen = prefill_marks(run_loop(tmp_path, prefill_chunk=2))
+    assert (True, True, 2) in seen        # a chunk to both servers
     assert (False, False, 1) in seen, seen  # a decode step: one token to each side
+    seen = prefill_marks(run_loop(tmp_path, spec_max_batch=1))
+    assert any(draft and not target and n > 2 for draft, target, n in seen), seen  # the missed case
 
 
 # --- c_system and measured speedup on pipelined steps ------------------------------------------

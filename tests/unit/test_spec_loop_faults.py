@@ -609,3 +609,34 @@ def test_a_draft_back_with_other_limits_is_taken_at_its_word(tmp_path):
         assert coord.scheduler.admit() == [seq] and not seq.use_draft
         await coord.close()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_long_prompt_reaches_the_draft_in_chunks_beside_decoding_sequences(tmp_path, temperature):
+    """A 100-token prompt joins while another sequence decodes, --prefill-chunk 16: the draft gets
+    the prompt chunk by chunk (appends, num_draft 0) in the Proposes the decoding sequence sends
+    anyway, not all at once in the prompt's last step; both outputs stay exact."""
+    async def main():
+        draft = FakeDraft()
+        loop, sched, target = make_loop(draft, prefill_chunk=16)
+        tok = tokenizer(tmp_path)
+        first = new_seq(tok, 1, max_new_tokens=80)   # 3 prompt tokens: decoding from the first step
+        prompt = tuple((7 * i + 3) % V for i in range(100))
+        params = GenParams(request_id="2", prompt_ids=prompt, max_new_tokens=NEW,
+                           sampling=Sampling(temperature=temperature, seed=2), speculate=True)
+        joining = Sequence(seq_id=2, params=params, max_len=MAX_LEN, tokenizer=tok)
+        sched.submit(first)
+        sched.submit(joining)
+        task = asyncio.create_task(loop.run())
+        got, end = await collect(joining)
+        assert end == Finish.LENGTH and got == plain_greedy(prompt, NEW)
+        got, end = await collect(first)
+        assert end == Finish.LENGTH and got == plain_greedy(PROMPT, 80)
+        fed = [(s.num_draft, unpack_ids(s.new_tokens)) for r in draft.requests for s in r.seqs if s.seq_id == 2]
+        appended = [tokens for k, tokens in fed if k == 0]
+        assert len(appended) >= 3 and all(len(t) <= 16 for t in appended)
+        assert [t for tokens, in zip(appended) for t in tokens] == list(prompt[:sum(map(len, appended))])
+        assert max(len(tokens) for _, tokens in fed) <= 16
+        assert not draft.violations and not target.violations
+        task.cancel()
+    asyncio.run(main())
