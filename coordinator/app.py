@@ -3,6 +3,7 @@ the step loop. The gRPC servicer (service.py) only converts requests and chunks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -79,7 +80,8 @@ class Coordinator:
         self.loop = SpecLoop(config, self.scheduler, target, draft, metrics,
                              vocab_size=target_info.vocab_size,
                              draft_max_len=draft_info.max_model_len if draft_info else 0,
-                             check_draft=self._check_draft if draft else None)
+                             check_draft=self._check_draft if draft else None,
+                             target_back=self._target_back)
         self.loop.target_max_num_draft = target_info.max_num_draft
         self._apply_draft_info(draft_info)
         self._ids = itertools.count(1)
@@ -146,6 +148,30 @@ class Coordinator:
         self.draft_info = info
         self.scheduler.draft = _capacity("draft", info)
         self.loop.draft_max_len = info.max_model_len
+
+    def _target_back(self, info: pb.ModelInfo) -> str | None:
+        """The target answers again after a failed step: a restarted server may run with another KV
+        size, length or draft limit, which are taken afresh (running sequences keep their
+        reservations; the server refuses what it cannot hold). Another model (vocabulary,
+        tokenizer) is a deployment error: the problem is returned and those requests fail."""
+        old = self.target_info
+        if (info.vocab_size, info.tokenizer_fingerprint) != (old.vocab_size, old.tokenizer_fingerprint):
+            problem = (f"the target server came back with another model ({info.model_name}: vocab_size "
+                       f"{info.vocab_size}, tokenizer {info.tokenizer_fingerprint[:12] or '(none)'}; was "
+                       f"{old.model_name}: {old.vocab_size}, {old.tokenizer_fingerprint[:12] or '(none)'})")
+            log.error("%s", problem)
+            return problem
+        if (old.kv_blocks_total, old.block_size, old.max_model_len, old.max_num_draft) != (
+                info.kv_blocks_total, info.block_size, info.max_model_len, info.max_num_draft):
+            log.warning("target server's limits changed: %d -> %d KV blocks of %d -> %d tokens, "
+                        "max_model_len %d -> %d, max_num_draft %d -> %d", old.kv_blocks_total,
+                        info.kv_blocks_total, old.block_size, info.block_size, old.max_model_len,
+                        info.max_model_len, old.max_num_draft, info.max_num_draft)
+        self.target_info = info
+        self.scheduler.target = _capacity("target", info)
+        self.loop.target_max_num_draft = info.max_num_draft
+        self.limits = dataclasses.replace(self.limits, max_model_len=info.max_model_len)
+        return None
 
     def start(self, on_failure: Callable[[str], Awaitable[None]] | None = None) -> None:
         """Starts the step loop; `on_failure(message)` is awaited if it ever dies."""

@@ -81,7 +81,7 @@ def sampling_pb(seq: Sequence) -> pb.SamplingParams:
 class SpecLoop:
     def __init__(self, config: CoordinatorConfig, scheduler: Scheduler, target: ModelServer,
                  draft: ModelServer | None, metrics: CoordinatorMetrics, *, vocab_size: int,
-                 draft_max_len: int = 0, check_draft=None):
+                 draft_max_len: int = 0, check_draft=None, target_back=None):
         self.config, self.scheduler, self.metrics = config, scheduler, metrics
         self.target, self.draft = target, draft
         self.vocab_size = vocab_size
@@ -90,6 +90,9 @@ class SpecLoop:
         self.draft_max_num_draft = self.target_max_num_draft = 0
         self.draft_up = draft is not None
         self._check_draft = check_draft  # async callable: Info + compatibility, raises when not
+        # callable(ModelInfo) -> problem or None: a target answering again after a failure (it may
+        # have restarted with other limits, or another model: the problem, which fails its requests)
+        self._target_back = target_back
         self._probe: asyncio.Task | None = None
         self._step_no = 0
         self._policy_inputs: tuple[float | None, float | None] = (None, None)  # (α, c) of this step
@@ -491,9 +494,13 @@ class SpecLoop:
         log.warning("%s; waiting up to %.0fs for it, then resending %d sequences from the start",
                     reason, timeout, len(live))
         try:
-            await self.target.wait_ready(timeout)
+            info = await self.target.wait_ready(timeout)
         except ConnectionError as e:
             self._abort_all(live, grpc.StatusCode.UNAVAILABLE, f"{reason}; not back: {e}")
+            return
+        problem = self._target_back(info) if self._target_back is not None else None
+        if problem is not None:
+            self._abort_all(live, grpc.StatusCode.FAILED_PRECONDITION, f"{reason}; {problem}")
             return
         for seq in live:
             self._resend_target(seq, reason)

@@ -640,3 +640,51 @@ def test_a_long_prompt_reaches_the_draft_in_chunks_beside_decoding_sequences(tmp
         assert not draft.violations and not target.violations
         task.cancel()
     asyncio.run(main())
+
+
+class RestartingTarget(FakeTarget):
+    """A target whose step fails once (a crash mid-step); it answers Info afterwards with `back`
+    (a restart under other flags, or with another model) and forgets every sequence."""
+
+    def __init__(self, back: pb.ModelInfo, fail_at_step: int = 3):
+        super().__init__()
+        self.back, self.fail_at_step, self.steps = back, fail_at_step, 0
+        self.seen_after_restart: list = []  # the sequences of every Verify after the crash
+
+    async def step(self, request, timeout=None):
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            self.held.clear()
+            raise rpc_error()
+        if self.steps > self.fail_at_step:
+            self.seen_after_restart += request.seqs
+        return await super().step(request, timeout)
+
+    async def wait_ready(self, timeout: float):
+        return self.back
+
+
+@pytest.mark.parametrize("same_model", [True, False])
+def test_a_target_back_after_a_crash_is_read_afresh(tmp_path, same_model):
+    """Same model with a smaller KV and a lower --max-num-draft: the coordinator takes the new limits
+    (reservations, drafts per step) and the request completes exactly. Another vocabulary: the
+    request fails with FAILED_PRECONDITION naming the change, instead of going on against it."""
+    async def main():
+        back = pb.ModelInfo(vocab_size=V if same_model else V + 1, max_model_len=MAX_LEN, kv_blocks_total=40,
+                            block_size=16, max_num_draft=2, model_name="restarted")
+        target, draft = RestartingTarget(back), FakeDraft()
+        coord = Coordinator(config(), tokenizer(tmp_path), target, draft, target_info(), target_info(),
+                            CoordinatorMetrics(CollectorRegistry()))
+        seq = coord.new_sequence(gen_params())
+        coord.scheduler.submit(seq)
+        coord.start()
+        tokens, end = await collect(seq)
+        if same_model:
+            assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+            assert coord.scheduler.target.blocks_total == 40 and coord.loop.target_max_num_draft == 2
+            assert max(len(unpack_ids(s.draft_tokens)) for s in target.seen_after_restart) <= 2
+        else:
+            assert isinstance(end, Abort) and end.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            assert "another model" in end.message and coord.scheduler.target.blocks_total == 1000
+        await coord.close()
+    asyncio.run(main())
