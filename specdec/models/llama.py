@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.config import ModelConfig
+from specdec.config import ConfigError, ModelConfig
 from specdec.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class TensorParallel:
 
     def split(self, n: int, what: str) -> int:
         if n % self.size:
-            raise ValueError(f"{what} ({n}) is not divisible by tensor-parallel size {self.size}")
+            raise ConfigError(f"{what} ({n}) is not divisible by tensor-parallel size {self.size}")
         return n // self.size
 
 

@@ -7,27 +7,33 @@ row-sharded and all-reduced over NCCL; embedding and LM head replicated) and its
 heads. The engine calls that change state or run forwards (warm_up, propose, verify, release) are
 mirrored: rank 0 sends the call with its arguments down a pipe to every other rank, then runs it
 itself; the forwards meet in their all-reduces. Everything after the all-reduced hidden state is
-replicated and deterministic (the LM head, greedy picks, seeded sampling, acceptance), so every
-rank takes the same decisions and keeps the same KV bookkeeping without a second message. Each
-mirrored call carries rank 0's bookkeeping (sequences, free blocks, held tokens); a rank that finds
-its own different stops the group instead of running a forward whose all-reduce would never meet.
+replicated and deterministic (the LM head, greedy picks, seeded sampling, acceptance; rank 0
+seeds the sampled sequences that come without a seed, pin_seeds), so every rank takes the same
+decisions and keeps the same KV bookkeeping without a second message. Each mirrored call carries
+rank 0's bookkeeping (sequences, free blocks, held tokens); a rank that finds its own different
+stops the group instead of running a forward whose all-reduce would never meet.
 
 Reads (info, metrics gauges, the profile) stay on rank 0. A rank that dies takes the server down
-(exit status 1): the others would wait in their next all-reduce for ever. On the CPU the ranks use
-gloo (tests); the rendezvous is a file, so no port can collide.
+(exit status 1), from the spawn on: the others would wait in their next all-reduce (or in the
+rendezvous) for ever. Ranks 1..N-1 ignore SIGINT and SIGTERM (rank 0 stops them once it has
+drained) and exit when rank 0 is gone. On the CPU the ranks use gloo (tests); the rendezvous is a
+file, so no port can collide.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import os
+import secrets
+import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,6 +103,24 @@ def bookkeeping(engine) -> tuple:
     return runner.blocks.num_free, tuple((s, runner.num_tokens(s)) for s in ids)
 
 
+def pin_seeds(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of a propose or verify call with a seed drawn here for every sampled sequence
+    that has none: each rank would draw its own (resolve_seeds), and their samples, acceptances
+    and so KV would part (the target's ranks stop the group; the draft's would feed each rank its
+    own drafted tokens, silently). A fresh seed per call is what the engine draws itself."""
+    if name not in ("propose", "verify"):
+        return args, kwargs
+
+    def pinned(seqs):
+        return [dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, seed=secrets.randbits(64)))
+                if s.sampling.seed is None and not s.sampling.greedy else s for s in seqs]
+    if args:
+        return (pinned(args[0]), *args[1:]), kwargs
+    if "seqs" in kwargs:
+        return args, {**kwargs, "seqs": pinned(kwargs["seqs"])}
+    return args, kwargs
+
+
 def _exit_server(rank: int, status) -> None:
     log.error("tensor-parallel rank %d exited (status %s): the server cannot go on without it; exiting",
               rank, status)
@@ -105,25 +129,20 @@ def _exit_server(rank: int, status) -> None:
 
 
 class TensorParallelEngine:
-    """Rank 0's engine: the engine's attributes, with the MIRRORED calls sent to every rank first.
-    on_rank_lost(rank, exit status) runs (on a watch thread) when another rank exits while the group
-    is open; by default it ends this process."""
+    """Rank 0's engine: the engine's attributes, with the MIRRORED calls sent to every rank first."""
 
-    def __init__(self, engine, senders: list, workers: list, rendezvous_dir: str,
-                 on_rank_lost: Callable[[int, object], None] = _exit_server):
+    def __init__(self, engine, senders: list, workers: list, rendezvous_dir: str, closing: threading.Event):
         self.engine = engine
         self._senders = senders
         self._workers = workers
         self._rendezvous_dir = rendezvous_dir
-        self._on_rank_lost = on_rank_lost
-        self._closing = threading.Event()
-        self._watch = threading.Thread(target=self._watch_ranks, name="tp-watch", daemon=True)
-        self._watch.start()
+        self._closing = closing  # set: the ranks' watch (started with them, see start) stops
 
     def __getattr__(self, name):
         value = getattr(self.engine, name)
         if name in MIRRORED:
             def mirrored(*args, **kwargs):
+                args, kwargs = pin_seeds(name, args, kwargs)
                 # Pickled once, before anything is sent: a call that cannot be sent reaches no rank.
                 message = ForkingPickler.dumps((name, args, kwargs, bookkeeping(self.engine)))
                 for conn in self._senders:
@@ -135,14 +154,6 @@ class TensorParallelEngine:
     @property
     def tensor_parallel_size(self) -> int:
         return len(self._workers) + 1
-
-    def _watch_ranks(self) -> None:
-        while not self._closing.wait(WATCH_INTERVAL_S):
-            lost = next(((r, p.exitcode) for r, p in enumerate(self._workers, start=1)
-                         if p.exitcode is not None), None)
-            if lost is not None and not self._closing.is_set():
-                self._on_rank_lost(*lost)
-                return
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the other ranks (they leave their loop and the group) and waits for them."""
@@ -159,14 +170,25 @@ class TensorParallelEngine:
             if proc.exitcode is None:
                 proc.kill()
         leave_group()
-        for path in Path(self._rendezvous_dir).glob("*"):
-            path.unlink(missing_ok=True)
-        os.rmdir(self._rendezvous_dir)
+        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+
+
+def _watch_ranks(workers: list, closing: threading.Event, on_rank_lost: Callable[[int, object], None]) -> None:
+    """on_rank_lost(rank, exit status) once a rank has exited, unless `closing` was set first. It
+    watches from the spawn on, not only once serving: a rank lost before it joined the group
+    would leave rank 0 in the rendezvous for GROUP_TIMEOUT."""
+    while not closing.wait(WATCH_INTERVAL_S):
+        lost = next(((r, p.exitcode) for r, p in enumerate(workers, start=1) if p.exitcode is not None), None)
+        if lost is not None and not closing.is_set():
+            on_rank_lost(*lost)
+            return
 
 
 def start(make_engine: Callable, config: EngineConfig,
           on_rank_lost: Callable[[int, object], None] = _exit_server) -> TensorParallelEngine:
-    """Spawns ranks 1..N-1, joins the group as rank 0 and builds rank 0's engine."""
+    """Spawns ranks 1..N-1, joins the group as rank 0 and builds rank 0's engine. on_rank_lost(rank,
+    exit status) runs (on a watch thread) when another rank exits before close(), from the spawn
+    on; by default it ends this process."""
     size = config.tensor_parallel_size
     devices = rank_devices(config.device, size)
     rendezvous_dir = tempfile.mkdtemp(prefix="specdec-tp-")
@@ -178,25 +200,34 @@ def start(make_engine: Callable, config: EngineConfig,
         receiver, sender = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
                            args=(rank, size, rendezvous, dataclasses.replace(config, device=devices[rank]),
-                                 make_engine, receiver, level))
+                                 make_engine, receiver, level, os.getpid()))
         proc.start()
         receiver.close()
         senders.append(sender)
         workers.append(proc)
     log.info("tensor parallel over %s (rank 0 serves; ranks 1..%d are pids %s)", ", ".join(devices), size - 1,
              ", ".join(str(p.pid) for p in workers))
+    closing = threading.Event()
+    threading.Thread(target=_watch_ranks, args=(workers, closing, on_rank_lost), name="tp-watch",
+                     daemon=True).start()
     try:
         init_rank(0, size, rendezvous, devices[0])
         engine = make_engine(config, tp=TensorParallel(0, size))
     except BaseException:
+        closing.set()  # rank 0's own failure is what gets reported, not the ranks it stops
         for proc in workers:
             proc.kill()
+        with contextlib.suppress(Exception):  # the error to report is the one being raised
+            leave_group()
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
         raise
-    return TensorParallelEngine(engine, senders, workers, rendezvous_dir, on_rank_lost)
+    return TensorParallelEngine(engine, senders, workers, rendezvous_dir, closing)
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A rank whose server process is gone (killed, crashed) exits too, even inside a collective."""
+    """A rank whose server process is gone (killed, crashed) exits too, even inside a collective.
+    `parent` is the pid rank 0 passed, not os.getppid() read here: a server killed while this
+    rank still imported torch has already handed it to another parent by then."""
     while os.getppid() == parent:
         threading.Event().wait(WATCH_INTERVAL_S)
     log.error("the serving process (pid %d) is gone; exiting", parent)
@@ -205,10 +236,15 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _rank_main(rank: int, size: int, rendezvous: str, config: EngineConfig, make_engine: Callable,
-               conn, log_level: int) -> None:
+               conn, log_level: int, parent: int) -> None:
     """Ranks 1..N-1: build the engine, then run every call rank 0 sends until it sends None or goes."""
+    # Rank 0 decides when the group stops (after draining its streams) and this rank goes with it:
+    # a signal to the whole process group (Ctrl-C in a terminal, a service manager stopping the
+    # control group) must not take it away first, which ends the server with status 1 mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="tp-parent", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="tp-parent", daemon=True).start()
     if os.environ.get("SPECDEC_TP_HANG_DUMP_S"):  # diagnostics (tests/helpers/tp_probe.py): stacks of a hang
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["SPECDEC_TP_HANG_DUMP_S"]), exit=False)

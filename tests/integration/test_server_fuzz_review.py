@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import random
 import re
 import threading
@@ -42,6 +41,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.sampling.transport import decode_probs
 from tests.helpers.cluster import server_info
+from tests.helpers.streams import END, StepStream, describe
 from tests.helpers.tiny_models import make_pair
 
 SEED = int(os.environ.get("SPECDEC_FUZZ_SEED", "8675309"))
@@ -135,46 +135,19 @@ def _release_after_each_test(request):
                 pass
 
 
-_END = None
+_END = END
 
 
-class Stream:
-    """A persistent bidi step stream with a per-step timeout: a reader thread moves responses (or
-    the final RpcError / end) into a queue, so an unanswered step fails the test instead of hanging it."""
+class Stream(StepStream):
+    """StepStream whose steps are checked: echoed step number, one result per sequence in order,
+    and every per-sequence error naming a request field or the KV cache."""
+    step_timeout = STEP_TIMEOUT
 
     def __init__(self, method, deadline: float = STREAM_DEADLINE):
-        self._requests: queue.Queue = queue.Queue()
-        self._responses: queue.Queue = queue.Queue()
-        self.call = method(iter(self._requests.get, _END), timeout=deadline)
-        self.ended: grpc.RpcError | str | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            for response in self.call:
-                self._responses.put(response)
-            self._responses.put("end")
-        except grpc.RpcError as e:
-            self._responses.put(e)
-
-    def send(self, request) -> None:
-        self._requests.put(request)
-
-    def receive(self, timeout: float = STEP_TIMEOUT):
-        """The next response; an RpcError or 'end' when the stream ended instead."""
-        try:
-            item = self._responses.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no answer within {timeout}s: a hung stream") from None
-        if not hasattr(item, "results"):
-            self.ended = item
-        return item
+        super().__init__(method, deadline)
 
     def step(self, request, timeout: float = STEP_TIMEOUT):
-        self.send(request)
-        response = self.receive(timeout)
-        assert hasattr(response, "results"), f"step {request.step}: the stream ended: {describe(response)}"
+        response = super().step(request, timeout)
         assert response.step == request.step, f"step echoed as {response.step}, sent {request.step}"
         assert len(response.results) == len(request.seqs), \
             f"{len(response.results)} results for {len(request.seqs)} sequences"
@@ -191,12 +164,6 @@ class Stream:
             end = self.receive(timeout)
             assert end == "end", f"stream ended with {describe(end)}"
         self._reader.join(timeout)
-
-
-def describe(item) -> str:
-    if isinstance(item, grpc.RpcError):
-        return f"{item.code()}: {item.details()}"
-    return repr(item)
 
 
 def check_error(err: pb.SeqError, index: int) -> None:

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from specdec.engine import TargetEngine, VerifySeqInput
 from specdec.engine.types import SamplingParams
 from specdec.serving import tensor_parallel
 from tests.helpers.cluster import all_free, server_info, tiny_cluster, wait_kv_free
+from tests.helpers.procs import alive, proc_children
 from tests.helpers.tiny_models import make_pair
 from tests.integration.test_services import run_many
 
@@ -124,28 +124,6 @@ def test_a_rank_that_diverges_leaves_the_group_and_rank_zero_is_told(pair):
         tp.close(timeout=5)
 
 
-def children(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.add(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_two_rank_servers_serve_speculation_equal_to_one_rank_plain_decoding(tmp_path, pair):
     target_path, _ = pair
     reference = greedy_continuations(TargetEngine(engine_config(target_path)), PROMPTS, 12)
@@ -153,7 +131,7 @@ def test_two_rank_servers_serve_speculation_equal_to_one_rank_plain_decoding(tmp
                       coordinator_args=["--num-draft", "3", "--max-batch-size", "4"]) as cluster:
         for role, address in (("target", cluster.target), ("draft", cluster.draft)):
             assert server_info(address, role).tensor_parallel_size == 2
-        ranks = {cluster.procs[r].popen.pid: children(cluster.procs[r].popen.pid) for r in ("target_server", "draft_server")}
+        ranks = {cluster.procs[r].popen.pid: set(proc_children(cluster.procs[r].popen.pid)) for r in ("target_server", "draft_server")}
         assert all(len(c) >= 1 for c in ranks.values())   # rank 1 of each server (and spawn's tracker)
         spec = run_many(cluster.coordinator, PROMPTS, 3, max_new_tokens=12, num_draft=3, ignore_eos=True)
         plain = run_many(cluster.coordinator, PROMPTS, 3, max_new_tokens=12, speculate=False, ignore_eos=True)
