@@ -39,7 +39,8 @@ def test_two_gpu_target_on_graphs_decodes_and_speculates_as_one_gpu(tmp_path, dt
     draft.warm_up()
     lost = []
     tp = tensor_parallel.start(TargetEngine, config(target_path, tensor_parallel_size=2),
-                               on_rank_lost=lambda rank, status: lost.append((rank, status)))
+                               on_rank_lost=lambda rank, status: lost.append((rank, status)),
+                               on_call_failed=lambda name, error: lost.append((name, error)))
     try:
         assert all(t > 0 for t in tp.warm_up().values())
         assert tp.info().tensor_parallel_size == 2 and len(tp.info().device_uuids) == 2

@@ -87,9 +87,10 @@ def test_two_rank_target_engine_verifies_as_one_rank(pair):
     target_path, _ = pair
     one = TargetEngine(engine_config(target_path))
     reference = greedy_continuations(one, PROMPTS, 16)
-    lost = []
+    lost, failed = [], []
     tp = tensor_parallel.start(TargetEngine, engine_config(target_path, tensor_parallel_size=2),
-                               on_rank_lost=lambda rank, status: lost.append((rank, status)))
+                               on_rank_lost=lambda rank, status: lost.append((rank, status)),
+                               on_call_failed=lambda name, error: failed.append(name))
     try:
         assert tp.warm_up()  # mirrored: rank 1 warms up too, or its forwards would not meet rank 0's
         info = tp.info()
@@ -102,15 +103,16 @@ def test_two_rank_target_engine_verifies_as_one_rank(pair):
         assert tp.num_free_blocks == info.kv_blocks_total and tp.num_sequences() == 0
     finally:
         tp.close()
-    assert not lost
+    assert not lost and not failed
     assert all(p.exitcode == 0 for p in tp._workers)
 
 
 def test_a_rank_that_diverges_leaves_the_group_and_rank_zero_is_told(pair):
     target_path, _ = pair
-    lost = []
+    lost, failed = [], []
     tp = tensor_parallel.start(TargetEngine, engine_config(target_path, tensor_parallel_size=2),
-                               on_rank_lost=lambda rank, status: lost.append((rank, status)))
+                               on_rank_lost=lambda rank, status: lost.append((rank, status)),
+                               on_call_failed=lambda name, error: failed.append(name))
     try:
         tp.verify([VerifySeqInput(1, PROMPTS[0], first=True)])
         tp.engine.release([1])                     # rank 0 only: the ranks now disagree
@@ -120,6 +122,7 @@ def test_a_rank_that_diverges_leaves_the_group_and_rank_zero_is_told(pair):
         while not lost and time.monotonic() < deadline:
             time.sleep(0.1)
         assert lost == [(1, 3)]
+        assert failed == ["verify"]   # a server would exit here: the call ran on rank 0 only
     finally:
         tp.close(timeout=5)
 
@@ -145,3 +148,21 @@ def test_two_rank_servers_serve_speculation_equal_to_one_rank_plain_decoding(tmp
     while any(alive(c) for cs in ranks.values() for c in cs) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [c for cs in ranks.values() for c in cs if alive(c)]
+
+
+def test_mirrored_calls_carry_tensors_by_value():
+    """dumps_call pickles tensors as their bytes (no shared-memory handles to pass per tensor):
+    every dtype and shape the engines' inputs hold comes back equal, views and empties included."""
+    import pickle
+
+    import torch
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = [base.half(), base.bfloat16(), base.long(), base > 5, base.t(), base[1:, ::2],
+               torch.tensor(3.5), torch.empty(0, 7, dtype=torch.float16)]
+    call = ("verify", ([VerifySeqInput(1, [1, 2], [3], draft_probs=t) for t in tensors],), {}, (7, ()))
+    data = tensor_parallel.dumps_call(call)
+    back = pickle.loads(data)
+    assert back[0] == "verify" and back[3] == (7, ())
+    for got, want in zip((s.draft_probs for s in back[1][0]), tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert b"torch.multiprocessing" not in data and b"rebuild_storage_fd" not in data

@@ -580,7 +580,8 @@ def test_sigkill_of_rank_one_ends_the_server_and_its_streams(tmp_path, pair):
             stream.close()
             channel.close()
         assert proc.popen.returncode == 1
-        assert "tensor-parallel rank 1 exited" in proc.log_since_start()
+        log = proc.log_since_start()   # the watch saw rank 1 go, or the step's all-reduce failed first
+        assert "tensor-parallel rank 1 exited" in log or "cannot be trusted to agree" in log
 
 
 def test_sigkill_of_the_serving_process_takes_its_rank_down(tmp_path, pair):
