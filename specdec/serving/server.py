@@ -286,7 +286,7 @@ def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConf
         engine = make_engine(config)
         profile = engine.warm_up()
     else:
-        engine = tensor_parallel.start(make_engine, config)
+        engine = tensor_parallel.start(make_engine, config, torch_threads=torch.get_num_threads())
         try:
             profile = engine.warm_up()
         except BaseException:

@@ -228,7 +228,8 @@ def _watch_ranks(workers: list, closing: threading.Event, on_rank_lost: Callable
 
 def start(make_engine: Callable, config: EngineConfig,
           on_rank_lost: Callable[[int, object], None] = _exit_server,
-          on_call_failed: Callable[[str, BaseException], None] = _exit_after_failed_call) -> TensorParallelEngine:
+          on_call_failed: Callable[[str, BaseException], None] = _exit_after_failed_call,
+          torch_threads: int | None = None) -> TensorParallelEngine:
     """Spawns ranks 1..N-1, joins the group as rank 0 and builds rank 0's engine. on_rank_lost(rank,
     exit status) runs (on a watch thread) when another rank exits before close(), from the spawn
     on; by default it ends this process."""
@@ -243,7 +244,7 @@ def start(make_engine: Callable, config: EngineConfig,
         receiver, sender = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_rank_main, name=f"tp-rank-{rank}", daemon=True,
                            args=(rank, size, rendezvous, dataclasses.replace(config, device=devices[rank]),
-                                 make_engine, receiver, level, os.getpid()))
+                                 make_engine, receiver, level, os.getpid(), torch_threads))
         proc.start()
         receiver.close()
         senders.append(sender)
@@ -279,7 +280,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _rank_main(rank: int, size: int, rendezvous: str, config: EngineConfig, make_engine: Callable,
-               conn, log_level: int, parent: int) -> None:
+               conn, log_level: int, parent: int, torch_threads: int | None = None) -> None:
     """Ranks 1..N-1: build the engine, then run every call rank 0 sends until it sends None or goes."""
     # Rank 0 decides when the group stops (after draining its streams) and this rank goes with it:
     # a signal to the whole process group (Ctrl-C in a terminal, a service manager stopping the
@@ -288,6 +289,9 @@ def _rank_main(rank: int, size: int, rendezvous: str, config: EngineConfig, make
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), name="tp-parent", daemon=True).start()
+    if torch_threads:  # the server's --torch-threads, as rank 0 runs with it
+        torch.set_num_threads(torch_threads)
+    log.info("rank %d of %d on %s (%d torch threads)", rank, size, config.device, torch.get_num_threads())
     if os.environ.get("SPECDEC_TP_HANG_DUMP_S"):  # diagnostics (tests/helpers/tp_probe.py): stacks of a hang
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["SPECDEC_TP_HANG_DUMP_S"]), exit=False)

@@ -130,10 +130,12 @@ def test_a_rank_that_diverges_leaves_the_group_and_rank_zero_is_told(pair):
 def test_two_rank_servers_serve_speculation_equal_to_one_rank_plain_decoding(tmp_path, pair):
     target_path, _ = pair
     reference = greedy_continuations(TargetEngine(engine_config(target_path)), PROMPTS, 12)
-    with tiny_cluster(tmp_path, server_args=["--tensor-parallel-size", "2"],
+    with tiny_cluster(tmp_path, server_args=["--tensor-parallel-size", "2", "--torch-threads", "2"],
                       coordinator_args=["--num-draft", "3", "--max-batch-size", "4"]) as cluster:
         for role, address in (("target", cluster.target), ("draft", cluster.draft)):
             assert server_info(address, role).tensor_parallel_size == 2
+            # rank 1 runs with the server's --torch-threads (launch sets OMP_NUM_THREADS=1 on the CPU)
+            assert "rank 1 of 2 on cpu (2 torch threads)" in cluster.procs[f"{role}_server"].log_path.read_text()
         ranks = {cluster.procs[r].popen.pid: set(proc_children(cluster.procs[r].popen.pid)) for r in ("target_server", "draft_server")}
         assert all(len(c) >= 1 for c in ranks.values())   # rank 1 of each server (and spawn's tracker)
         spec = run_many(cluster.coordinator, PROMPTS, 3, max_new_tokens=12, num_draft=3, ignore_eos=True)
