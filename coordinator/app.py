@@ -153,13 +153,21 @@ class Coordinator:
         """The target answers again after a failed step: a restarted server may run with another KV
         size, length or draft limit, which are taken afresh (running sequences keep their
         reservations; the server refuses what it cannot hold). Another model (vocabulary,
-        tokenizer) is a deployment error: the problem is returned and those requests fail."""
+        tokenizer) is a deployment error: every request fails, the coordinator stops serving (as
+        the step loop's death does), and the problem is returned."""
         old = self.target_info
         if (info.vocab_size, info.tokenizer_fingerprint) != (old.vocab_size, old.tokenizer_fingerprint):
             problem = (f"the target server came back with another model ({info.model_name}: vocab_size "
                        f"{info.vocab_size}, tokenizer {info.tokenizer_fingerprint[:12] or '(none)'}; was "
                        f"{old.model_name}: {old.vocab_size}, {old.tokenizer_fingerprint[:12] or '(none)'})")
-            log.error("%s", problem)
+            # Every request would run against a tokenizer and limits that are not the target's: the
+            # coordinator stops serving (NOT_SERVING, new requests UNAVAILABLE) until it is
+            # restarted against that target, as a start-up mismatch stops it from starting.
+            log.error("%s; not serving until restarted", problem)
+            self.failure = problem
+            self.loop.fail_all(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            if self._on_failure is not None:
+                self._failure_task = asyncio.ensure_future(self._on_failure(problem))
             return problem
         if (old.kv_blocks_total, old.block_size, old.max_model_len, old.max_num_draft) != (
                 info.kv_blocks_total, info.block_size, info.max_model_len, info.max_num_draft):

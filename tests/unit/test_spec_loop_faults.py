@@ -668,7 +668,8 @@ class RestartingTarget(FakeTarget):
 def test_a_target_back_after_a_crash_is_read_afresh(tmp_path, same_model):
     """Same model with a smaller KV and a lower --max-num-draft: the coordinator takes the new limits
     (reservations, drafts per step) and the request completes exactly. Another vocabulary: the
-    request fails with FAILED_PRECONDITION naming the change, instead of going on against it."""
+    request fails with FAILED_PRECONDITION naming the change, instead of going on against it, and
+    the coordinator stops serving."""
     async def main():
         back = pb.ModelInfo(vocab_size=V if same_model else V + 1, max_model_len=MAX_LEN, kv_blocks_total=40,
                             block_size=16, max_num_draft=2, model_name="restarted")
@@ -677,14 +678,20 @@ def test_a_target_back_after_a_crash_is_read_afresh(tmp_path, same_model):
                             CoordinatorMetrics(CollectorRegistry()))
         seq = coord.new_sequence(gen_params())
         coord.scheduler.submit(seq)
-        coord.start()
+        stopped = []
+
+        async def on_failure(message):
+            stopped.append(message)
+        coord.start(on_failure=on_failure)
         tokens, end = await collect(seq)
         if same_model:
-            assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW)
+            assert end == Finish.LENGTH and tokens == plain_greedy(PROMPT, NEW) and not stopped
             assert coord.scheduler.target.blocks_total == 40 and coord.loop.target_max_num_draft == 2
             assert max(len(unpack_ids(s.draft_tokens)) for s in target.seen_after_restart) <= 2
         else:
             assert isinstance(end, Abort) and end.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
             assert "another model" in end.message and coord.scheduler.target.blocks_total == 1000
+            await until(lambda: stopped)    # NOT_SERVING: new requests are refused (service.py)
+            assert coord.failure and "another model" in coord.failure and "another model" in stopped[0]
         await coord.close()
     asyncio.run(main())
