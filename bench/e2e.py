@@ -17,6 +17,9 @@ Sections, in this order (one not started when the deadline would pass is recorde
              stays up while the drafts change
   demo-2gpu  demo pair with the target on cuda:0 and the draft on cuda:1 (two GPUs only)
   7b-2gpu    the 7B pairs with the target on cuda:0 and the drafts on cuda:1 (two GPUs only)
+  7b-tp2     the 7B pairs with the target tensor-parallel over cuda:0 and cuda:1
+             (--tensor-parallel-size 2) and the drafts on cuda:1 (two GPUs only; not in the
+             default sections); rows carry target_tp 2
   hf-7b      transformers generate on the 7B shapes (its own random init, which does not agree:
              only its plain tokens/s goes beside our 7B rows; assisted stays in result["hf"])
 
@@ -64,7 +67,7 @@ TINY = {"target": dict(architectures=["LlamaForCausalLM"], model_type="llama", v
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)}
 # Rough seconds a section needs once started (start-up included); a section starts only if the
 # deadline leaves it this much.
-ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 90, "7b-draft": 30, "demo-2gpu": 30, "7b-2gpu": 90,
+ESTIMATE = {"demo-1gpu": 40, "hf-demo": 15, "7b": 90, "7b-draft": 30, "demo-2gpu": 30, "7b-2gpu": 90, "7b-tp2": 110,
             "hf-7b": 45}
 
 
@@ -349,7 +352,8 @@ def parse_args(argv=None):
     p.add_argument("--target-args", default="", help="more arguments for every target server, one string")
     p.add_argument("--drafts", nargs="+", choices=SEVEN_B_DRAFTS,
                    help="draft shapes of the 7B sections (default: all three; --quick: the 68m)")
-    p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu 7b-2gpu hf-7b")
+    p.add_argument("--sections", nargs="+", help="subset of demo-1gpu hf-demo 7b demo-2gpu 7b-2gpu hf-7b, "
+                                                   "or 7b-tp2")
     p.add_argument("--kv-memory", default="4GiB", help="KV cache of each server on cuda")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -405,12 +409,15 @@ def main(argv=None) -> int:
                             a.batches, prompts, work / "logs" / "demo-1gpu", clock)
     if section("hf-demo"):
         hf_rows += hf_generate(DEMO_TARGET, [("", DEMO_DRAFT)], "demo", dev0, dtype, prompts[:a.waves], a)
-    def seven_b_rows(name: str, target_dev: str, draft_dev: str, used_gpus: int) -> list[dict]:
+    def seven_b_rows(name: str, target_dev: str, draft_dev: str, used_gpus: int, tp: int = 1) -> list[dict]:
         tdir, drafts = seven_b()
         random = ["--random-weights"]
         agree = (lambda x: ["--random-agreement", str(x)]) if a.agreement >= 0 else (lambda x: [])
-        return serve_pairs(a, seven_label, tdir, drafts, target_dev, draft_dev, used_gpus, a.batches_7b,
-                           prompts, work / "logs" / name, clock, random + agree(1), random + agree(a.agreement))
+        tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        got = serve_pairs(a, seven_label, tdir, drafts, target_dev, draft_dev, used_gpus, a.batches_7b,
+                          prompts, work / "logs" / name, clock, random + agree(1) + tp_args,
+                          random + agree(a.agreement))
+        return [{**r, "target_tp": tp} if tp > 1 else r for r in got]
 
     if section("7b"):
         rows += seven_b_rows("7b", dev0, dev0, min(gpus, 1))
@@ -423,6 +430,10 @@ def main(argv=None) -> int:
         skipped.append("7b-2gpu (one GPU)")
     elif section("7b-2gpu"):
         rows += seven_b_rows("7b-2gpu", "cuda:0", "cuda:1", 2)
+    if "7b-tp2" in a.sections and gpus < 2:
+        skipped.append("7b-tp2 (one GPU)")
+    elif section("7b-tp2"):
+        rows += seven_b_rows("7b-tp2", "cuda:0", "cuda:1", 2, tp=2)
     if section("hf-7b"):
         tdir, drafts = seven_b()
         hf_rows += hf_generate(tdir, drafts, seven_label, dev0, dtype, prompts[:1], a)
