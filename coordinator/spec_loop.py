@@ -276,7 +276,11 @@ class SpecLoop:
         # only appends), in the Propose the decoding sequences send anyway: else the draft took a
         # whole prompt in the step of its last chunk, one long forward that held up every other
         # sequence of that step. Steps without a decoding sequence send no Propose for this.
-        appending = [p for p in plans if p.partial and p.seq.use_draft and p.seq.draft_pending]
+        # Only a sequence that will draft once its prompt is in (_num_draft > 0: not past the
+        # draft's max_model_len, more than one token to go) is worth a draft prefill.
+        batch = len(sched.running)
+        appending = [p for p in plans if p.partial and p.seq.use_draft and p.seq.draft_pending
+                     and self._num_draft(p.seq, batch) > 0]
         request = pb.ProposeRequest(step=self._step_no)
         for p in drafting + appending:
             seq = p.seq
@@ -297,6 +301,11 @@ class SpecLoop:
                              new_tokens=pack_ids(new_tokens), num_draft=p.num_draft,
                              sampling=sampling_pb(seq), first=not seq.draft_holds)
             seq.draft_holds = True  # from here on the draft may hold it, whatever happens
+            if p.partial:
+                # An append proposes nothing: the draft now holds the kept drafts and these tokens
+                # as confirmed, and no proposal; the next keep counts from here. (keep > 0 when
+                # the target lost a decoding sequence and its resend from the start is chunked.)
+                seq.draft_keep, seq.draft_prop = 0, []
         request.release.extend(sorted(sched.release_draft))
         sched.release_draft.clear()
         sent = drafting + appending

@@ -10,6 +10,17 @@ from specdec.serving.servicer import ModelServicer
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
+def propose(engine, request: pb.ProposeRequest) -> tuple[pb.ProposeResponse, object]:
+    """One Propose step on the engine: (the response without timing, the engine's StepResult)."""
+    prepared = convert.draft_seqs_from_pb(request)
+    step = engine.propose([p for p in prepared if not isinstance(p, convert.SeqError)],
+                          list(request.release))
+    outputs = convert.merge(prepared, step.outputs)
+    results = [convert.draft_result_to_pb(s.seq_id, o, engine.config.probs_dtype)
+               for s, o in zip(request.seqs, outputs)]
+    return pb.ProposeResponse(step=request.step, results=results), step
+
+
 class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
     rpc_name = "Propose"
 
@@ -18,15 +29,9 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
             yield response
 
     def _step(self, request: pb.ProposeRequest, received: float) -> pb.ProposeResponse:
-        engine = self.runtime.engine
-        prepared = convert.draft_seqs_from_pb(request)
-        step = engine.propose([p for p in prepared if not isinstance(p, convert.SeqError)],
-                              list(request.release))
-        outputs = convert.merge(prepared, step.outputs)
-        results = [convert.draft_result_to_pb(s.seq_id, o, engine.config.probs_dtype)
-                   for s, o in zip(request.seqs, outputs)]
-        return pb.ProposeResponse(step=request.step, results=results,
-                                  timing=self._finish_timing(step.timing, request, received))
+        response, step = propose(self.runtime.engine, request)
+        response.timing.CopyFrom(self._finish_timing(step.timing, request, received))
+        return response
 
     def _observe_forwards(self, request: pb.ProposeRequest, response: pb.ProposeResponse,
                           decode_seconds: float) -> None:

@@ -10,6 +10,16 @@ from specdec.serving.servicer import ModelServicer
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
 
 
+def verify(engine, request: pb.VerifyRequest) -> tuple[pb.VerifyResponse, object]:
+    """One Verify step on the engine: (the response without timing, the engine's StepResult)."""
+    prepared = convert.verify_seqs_from_pb(request, engine.vocab_size, engine.config.max_num_draft)
+    step = engine.verify([p for p in prepared if not isinstance(p, convert.SeqError)],
+                         list(request.release))
+    outputs = convert.merge(prepared, step.outputs)
+    results = [convert.verify_result_to_pb(s.seq_id, o) for s, o in zip(request.seqs, outputs)]
+    return pb.VerifyResponse(step=request.step, results=results), step
+
+
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     rpc_name = "Verify"
 
@@ -18,14 +28,9 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
             yield response
 
     def _step(self, request: pb.VerifyRequest, received: float) -> pb.VerifyResponse:
-        engine = self.runtime.engine
-        prepared = convert.verify_seqs_from_pb(request, engine.vocab_size, engine.config.max_num_draft)
-        step = engine.verify([p for p in prepared if not isinstance(p, convert.SeqError)],
-                             list(request.release))
-        outputs = convert.merge(prepared, step.outputs)
-        results = [convert.verify_result_to_pb(s.seq_id, o) for s, o in zip(request.seqs, outputs)]
-        return pb.VerifyResponse(step=request.step, results=results,
-                                 timing=self._finish_timing(step.timing, request, received))
+        response, step = verify(self.runtime.engine, request)
+        response.timing.CopyFrom(self._finish_timing(step.timing, request, received))
+        return response
 
     def _observe_forwards(self, request: pb.VerifyRequest, response: pb.VerifyResponse,
                           decode_seconds: float) -> None:
