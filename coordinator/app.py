@@ -63,6 +63,17 @@ def _capacity(name: str, info: pb.ModelInfo) -> KVCapacity:
     return KVCapacity(name, info.kv_blocks_total, info.block_size)
 
 
+LIMITS = ("kv_blocks_total", "block_size", "max_model_len", "max_num_draft")
+
+
+def _log_limit_changes(role: str, old: pb.ModelInfo, new: pb.ModelInfo) -> None:
+    """A server back after a restart may run under other flags: say which limits changed."""
+    changed = [f"{f} {getattr(old, f)} -> {getattr(new, f)}"
+               for f in LIMITS if getattr(old, f) != getattr(new, f)]
+    if changed:
+        log.warning("%s server's limits changed: %s", role, ", ".join(changed))
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, tokenizer: TextTokenizer, target: ModelServer,
                  draft: ModelServer | None, target_info: pb.ModelInfo, draft_info: pb.ModelInfo | None,
@@ -139,12 +150,8 @@ class Coordinator:
         info = await self.draft.info(timeout=2.0)
         check_draft_compatible(self.target_info, info)
         self._apply_draft_info(info)  # a draft back after a restart may be on another GPU
-        old = self.draft_info
-        if old is not None and (old.kv_blocks_total, old.block_size, old.max_model_len) != (
-                info.kv_blocks_total, info.block_size, info.max_model_len):
-            log.warning("draft server's limits changed: %d -> %d KV blocks of %d -> %d tokens, "
-                        "max_model_len %d -> %d", old.kv_blocks_total, info.kv_blocks_total, old.block_size,
-                        info.block_size, old.max_model_len, info.max_model_len)
+        if self.draft_info is not None:
+            _log_limit_changes("draft", self.draft_info, info)
         self.draft_info = info
         self.scheduler.draft = _capacity("draft", info)
         self.loop.draft_max_len = info.max_model_len
@@ -169,12 +176,7 @@ class Coordinator:
             if self._on_failure is not None:
                 self._failure_task = asyncio.ensure_future(self._on_failure(problem))
             return problem
-        if (old.kv_blocks_total, old.block_size, old.max_model_len, old.max_num_draft) != (
-                info.kv_blocks_total, info.block_size, info.max_model_len, info.max_num_draft):
-            log.warning("target server's limits changed: %d -> %d KV blocks of %d -> %d tokens, "
-                        "max_model_len %d -> %d, max_num_draft %d -> %d", old.kv_blocks_total,
-                        info.kv_blocks_total, old.block_size, info.block_size, old.max_model_len,
-                        info.max_model_len, old.max_num_draft, info.max_num_draft)
+        _log_limit_changes("target", old, info)
         self.target_info = info
         self.scheduler.target = _capacity("target", info)
         self.loop.target_max_num_draft = info.max_num_draft

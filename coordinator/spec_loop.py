@@ -279,8 +279,7 @@ class SpecLoop:
         # Only a sequence that will draft once its prompt is in (_num_draft > 0: not past the
         # draft's max_model_len, more than one token to go) is worth a draft prefill.
         batch = len(sched.running)
-        appending = [p for p in plans if p.partial and p.seq.use_draft and p.seq.draft_pending
-                     and self._num_draft(p.seq, batch) > 0]
+        appending = [p for p in plans if p.partial and p.seq.draft_pending and self._num_draft(p.seq, batch) > 0]
         request = pb.ProposeRequest(step=self._step_no)
         for p in drafting + appending:
             seq = p.seq

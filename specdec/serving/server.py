@@ -284,14 +284,9 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
 def _load(make_engine: Callable[[EngineConfig], ModelEngine], config: EngineConfig) -> ModelEngine:
     if config.tensor_parallel_size == 1:
         engine = make_engine(config)
-        profile = engine.warm_up()
-    else:
+    else:  # a warm-up that fails on rank 0 ends the process (TensorParallelEngine: on_call_failed)
         engine = tensor_parallel.start(make_engine, config, torch_threads=torch.get_num_threads())
-        try:
-            profile = engine.warm_up()
-        except BaseException:
-            engine.close(timeout=5.0)
-            raise
+    profile = engine.warm_up()
     log.info("decode forward profile (batch: ms): %s",
              ", ".join(f"{b}: {s * 1e3:.3f}" for b, s in profile.items()))
     return engine

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import multiprocessing
 import os
+import pickle
 import secrets
 import shutil
 import signal
@@ -33,8 +35,6 @@ import tempfile
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-import io
-import pickle
 
 import torch
 import torch.distributed as dist
@@ -192,10 +192,6 @@ class TensorParallelEngine:
                     raise
             return mirrored
         return value
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return len(self._workers) + 1
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the other ranks (they leave their loop and the group) and waits for them."""
