@@ -19,18 +19,23 @@ services would reach with free transport. `verify / decode` compares the target'
 --profile adds a torch.profiler table of 8 speculative steps at the first batch size (top device
 kernels and host ops). Writes bench/results/anatomy.json.
 
-    python3 bench/anatomy.py --tensor-parallel 1 2 [--draft-device cuda:1]
+    python3 bench/anatomy.py --tensor-parallel 1 2 2:nccl [--draft-device cuda:1]
 
-runs the same rows once per target tensor-parallel size (serving/tensor_parallel.py: ranks on
-cuda:0.., rank 0 in this process, the mirrored calls sent to the others as a server sends them),
+runs the same rows once per target tensor-parallel size, with an optional all-reduce mode after
+a colon (collectives.py), each size in a process of its own (serving/tensor_parallel.py: ranks on
+cuda:0.., rank 0 in that process, the mirrored calls sent to the others as a server sends them),
 side by side with ratios to the first size, into bench/results/anatomy_tp.json. Replays are not
 timed there: a rank-0 replay alone would wait for the other ranks in its all-reduce.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +56,7 @@ JOIN_PROMPT = 100  # a request joining a running batch: its prompt beside the ot
 
 def engines(target_dir: Path, draft_dir: Path, agreement: float, max_model_len: int, k: int,
             device: str, batches: list[int], prefill_lens: tuple[int, ...] | None,
-            tensor_parallel: int = 1, draft_device: str | None = None):
+            tensor_parallel: int = 1, draft_device: str | None = None, tp_all_reduce: str = "auto"):
     def config(path, agree, **kw):
         return EngineConfig(model=str(path), dtype=torch.bfloat16, random_weights=True,
                             random_agreement=agree, max_model_len=max_model_len,
@@ -66,7 +71,8 @@ def engines(target_dir: Path, draft_dir: Path, agreement: float, max_model_len: 
     else:
         from specdec.serving import tensor_parallel as tp
         target = tp.start(TargetEngine, config(target_dir, agree_t, device=device,
-                                               tensor_parallel_size=tensor_parallel))
+                                               tensor_parallel_size=tensor_parallel,
+                                               tp_all_reduce=tp_all_reduce))
     draft = DraftEngine(config(draft_dir, agree_d, device=draft_device or device))
     for e in (target, draft):
         e.warm_up()
@@ -211,8 +217,12 @@ def main() -> int:
     p.add_argument("--graph-prefill-lens", default=None,
                    help="comma-separated prompt-chunk lengths to graph, or 'none' (default: the engine's)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of small shapes (no graphs)")
-    p.add_argument("--tensor-parallel", type=int, nargs="+", default=None, metavar="N",
-                   help="target tensor-parallel sizes, timed one after the other (anatomy_tp.json)")
+    p.add_argument("--tensor-parallel", nargs="+", default=None, metavar="N[:MODE]",
+                   help="target tensor-parallel sizes, each with an optional all-reduce mode "
+                        "(auto, nccl, one-shot; e.g. 1 2 2:nccl), timed one after the other, each in a "
+                        "process of its own (anatomy_tp.json)")
+    p.add_argument("--tp-child", help=argparse.SUPPRESS)   # main_tp's child: the one spec it runs
+    p.add_argument("--rows-out", help=argparse.SUPPRESS)
     p.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
     a = p.parse_args()
     max_len = PROMPT + (a.steps + 16) * (a.k + 1) + 64
@@ -246,32 +256,39 @@ def main() -> int:
     return 0
 
 
+def tp_spec(spec: str) -> tuple[int, str]:
+    """'2' -> (2, 'auto'); '2:nccl' -> (2, 'nccl'): a tensor-parallel size and its all-reduce mode."""
+    size, _, mode = spec.partition(":")
+    return int(size), mode or "auto"
+
+
 def main_tp(a, max_len: int) -> int:
+    """Each --tensor-parallel spec in a process of its own (a process joins one NCCL group), one
+    after the other; the table compares them with the first."""
+    if a.tp_child:
+        rows = tp_rows(a, max_len, *tp_spec(a.tp_child))
+        Path(a.rows_out).write_text(json.dumps(rows))
+        sys.stdout.flush()
+        os._exit(0)  # nothing of the aborted NCCL group's teardown at exit (tensor_parallel.leave_group)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
-        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
-        for size in a.tensor_parallel:
-            draft, target = engines(t_dir, d_dir, a.agreement, max_len, a.k, a.device, a.batches, None,
-                                    size, a.draft_device)
-            try:
-                for i, b in enumerate(a.batches):
-                    rows.append({"tp": size, **measure(draft, target, b, a.k, a.steps, seed=i, replays=size == 1)})
-            finally:
-                if size > 1:
-                    target.close()
-            del draft, target
-            torch.cuda.empty_cache()
-    base = {r["batch"]: r for r in rows if r["tp"] == a.tensor_parallel[0]}
+        for i, spec in enumerate(a.tensor_parallel):
+            out = Path(tmp, f"rows{i}.json")
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--tp-child", spec, "--rows-out", str(out)],
+                           check=True)
+            rows += json.loads(out.read_text())
+    first = [r for r in rows if r["spec"] == a.tensor_parallel[0]]
+    base = {r["batch"]: r for r in first}
     for r in rows:
-        for key in ("plain_wall_ms", "verify_wall_ms", "spec_wall_ms"):
+        for key in ("plain_wall_ms", "verify_wall_ms", "spec_wall_ms", "plain_fwd_ms"):
             r[f"{key}_vs_first"] = r[key] / base[r["batch"]][key]
     result = {"benchmark": "anatomy_tp", "environment": environment(), "target": a.target, "draft": a.draft,
               "draft_device": a.draft_device or a.device, "k": a.k, "steps": a.steps,
               "agreement": a.agreement, "rows": rows}
     path = write_result("anatomy_tp", result)
-    print(table(rows, [("tp", "tp", "d"), ("batch", "b", "d"),
+    print(table(rows, [("tp", "tp", "d"), ("all_reduce", "all-reduce", "s"), ("batch", "b", "d"),
                        ("plain_wall_ms", "plain wall", ".3f"), ("plain_fwd_ms", "plain fwd", ".3f"),
+                       ("plain_fwd_ms_vs_first", "fwd x first", ".2f"),
                        ("plain_wall_ms_vs_first", "plain x first", ".2f"),
                        ("draft_wall_ms", "draft wall", ".3f"),
                        ("verify_wall_ms", "verify wall", ".3f"), ("verify_fwd_ms", "verify fwd", ".3f"),
@@ -280,6 +297,27 @@ def main_tp(a, max_len: int) -> int:
                        ("in_process_speedup", "in-process x", ".2f")]))
     print(f"wrote {path}")
     return 0
+
+
+def tp_rows(a, max_len: int, size: int, mode: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
+        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
+        draft, target = engines(t_dir, d_dir, a.agreement, max_len, a.k, a.device, a.batches, None,
+                                size, a.draft_device, tp_all_reduce=mode)
+        path = "-"
+        try:
+            if size > 1:
+                from specdec import collectives
+                path = collectives.path()
+            for i, b in enumerate(a.batches):
+                rows.append({"spec": a.tp_child, "tp": size, "all_reduce": path,
+                             **measure(draft, target, b, a.k, a.steps, seed=i, replays=size == 1)})
+        finally:
+            if size > 1:
+                target.close()
+    return rows
 
 
 if __name__ == "__main__":

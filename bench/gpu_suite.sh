@@ -7,7 +7,8 @@
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz), serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
-#         anatomy, timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
+#         anatomy, tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
+#         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
 #         Suggested calls (each < 10 min):
@@ -68,6 +69,12 @@ for s in "$@"; do
           keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;
     anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py; keep anatomy.json ;;
+    # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the all-reduce paths, TP=2 against TP=1
+    tests-tp) run tests-tp "${TP_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                tests/gpu/test_collectives_gpu.py tests/gpu/test_tensor_parallel_gpu.py ;;
+    allreduce) run allreduce "${ALLREDUCE_S:-120}" python3 bench/allreduce.py; keep allreduce.json ;;
+    anatomy-tp) run anatomy-tp "${ANATOMY_TP_S:-330}" python3 bench/anatomy.py --batches 1 8 --steps 24 \
+                  --tensor-parallel ${ANATOMY_TP:-1 2 2:nccl}; keep anatomy_tp.json ;;
     timeline) run timeline "${TIMELINE_S:-150}" python3 bench/timeline.py --replays 5 \
                 --kernel-sets ${TIMELINE_SETS:-default no_norm}; keep timeline.json ;;
     attention-grid) run attention-grid "${GRID_S:-150}" python3 bench/attention_grid.py; keep attention_grid.json ;;

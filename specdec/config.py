@@ -183,6 +183,7 @@ DEFAULT_GRAPH_PREFILL_LENS = (16, 32, 64, 128, 256, 512)
 # b 1 forward at a 128-token context took 3837 us on graphs planned for a 4096 bound and 3747 us on
 # a 256 set (the attention's split merge 112 -> 27 us over 32 layers).
 DEFAULT_GRAPH_CONTEXT_LENS = (256,)
+TP_ALL_REDUCE_MODES = ("auto", "nccl", "one-shot")  # EngineConfig.tp_all_reduce (collectives.py)
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,10 @@ class EngineConfig:
     random_agreement: float | None = None
     # Ranks of a tensor-parallel group, one process per GPU from `device` on (serving/tensor_parallel.py)
     tensor_parallel_size: int = 1
+    # The row-parallel projections' all-reduce with tensor_parallel_size > 1 (collectives.py):
+    # auto (one-shot over symmetric memory for small activations where every rank can, else
+    # NCCL), nccl, or one-shot (fail the start where it cannot)
+    tp_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.device.startswith(("cpu", "cuda")):
@@ -235,6 +240,9 @@ class EngineConfig:
             raise ConfigError(f"probs_dtype: expected float16 or bfloat16, got {self.probs_dtype}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_all_reduce not in TP_ALL_REDUCE_MODES:
+            raise ConfigError(f"tp_all_reduce: expected one of {', '.join(TP_ALL_REDUCE_MODES)}, "
+                              f"got {self.tp_all_reduce!r}")
         if not self.warmup_batch_sizes or min(self.warmup_batch_sizes) < 1:
             raise ConfigError(f"warmup_batch_sizes must be positive, got {self.warmup_batch_sizes}")
         for name in ("graph_query_lens", "graph_batch_sizes"):

@@ -38,8 +38,11 @@ class TensorParallel:
                              f"size {dist.get_world_size()}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks (specdec/collectives.py: NCCL, or one-shot for small
+        activations on GPUs); x itself or a new tensor: use the value returned."""
         if self.size > 1:
-            torch.distributed.all_reduce(x)
+            from specdec import collectives
+            return collectives.all_reduce(x)
         return x
 
     def split(self, n: int, what: str) -> int:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from protos.wire import MAX_MESSAGE_BYTES
 from specdec.busy_poll import BusyPoll
-from specdec.config import ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
+from specdec.config import TP_ALL_REDUCE_MODES, ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
 from specdec.engine.base import ModelEngine
 from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
@@ -175,6 +175,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                    help="shard the model over N GPUs from --device on, one process each (this one "
                         "serves gRPC; serving/tensor_parallel.py); the KV heads and the "
                         "intermediate size must divide by N")
+    p.add_argument("--tp-all-reduce", choices=TP_ALL_REDUCE_MODES, default="auto",
+                   help="with --tensor-parallel-size > 1: the row-parallel projections' all-reduce; "
+                        "auto: a one-shot all-reduce over symmetric memory (NVLink peers) for "
+                        "activations up to 512 KiB where every rank can, NCCL otherwise; nccl: NCCL "
+                        "only; one-shot: refuse to start without it (specdec/collectives.py)")
     p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
     p.add_argument("--busy-poll-ms", type=float,
                    help="after each step the event loop polls instead of sleeping for this long: "
@@ -213,7 +218,8 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                                 if a.graph_prefill_lens == "none"
                                 else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
-            gemv_kernels=a.gemv_kernels, pdl=a.pdl, tensor_parallel_size=a.tensor_parallel_size)
+            gemv_kernels=a.gemv_kernels, pdl=a.pdl, tensor_parallel_size=a.tensor_parallel_size,
+            tp_all_reduce=a.tp_all_reduce)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms)
     except ValueError as e:

@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from specdec import collectives
 from specdec.config import ConfigError, EngineConfig
 from specdec.models.llama import TensorParallel
 
@@ -64,9 +65,11 @@ def rank_devices(device: str, size: int) -> list[str]:
     return [f"cuda:{first + r}" for r in range(size)]
 
 
-def init_rank(rank: int, size: int, rendezvous: str, device: str) -> None:
-    """Joins the group (NCCL on GPUs, gloo on the CPU) and runs one all-reduce, so that the
-    communicators exist before any CUDA graph captures a collective."""
+def init_rank(rank: int, size: int, rendezvous: str, config: EngineConfig) -> None:
+    """Joins the group (NCCL on GPUs, gloo on the CPU), runs one all-reduce, so that the
+    communicators exist before any CUDA graph captures a collective, and chooses the all-reduce
+    path of the row-parallel projections with the other ranks (collectives.setup)."""
+    device = config.device
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -77,6 +80,7 @@ def init_rank(rank: int, size: int, rendezvous: str, device: str) -> None:
     if int(probe.item()) != size:
         raise RuntimeError(f"tensor-parallel rank {rank}: the group's first all-reduce gave {probe.item()}, "
                            f"expected {size}")
+    collectives.setup(torch.device(device), config.dtype, config.tp_all_reduce)
 
 
 def leave_group(timeout: float = 10.0) -> None:
@@ -86,6 +90,7 @@ def leave_group(timeout: float = 10.0) -> None:
     must not wait for ever; the process exit frees what is left."""
     if not dist.is_initialized():
         return
+    collectives.reset()
     if dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return
@@ -251,7 +256,7 @@ def start(make_engine: Callable, config: EngineConfig,
     threading.Thread(target=_watch_ranks, args=(workers, closing, on_rank_lost), name="tp-watch",
                      daemon=True).start()
     try:
-        init_rank(0, size, rendezvous, devices[0])
+        init_rank(0, size, rendezvous, dataclasses.replace(config, device=devices[0]))
         engine = make_engine(config, tp=TensorParallel(0, size))
     except BaseException:
         closing.set()  # rank 0's own failure is what gets reported, not the ranks it stops
@@ -291,7 +296,7 @@ def _rank_main(rank: int, size: int, rendezvous: str, config: EngineConfig, make
     if os.environ.get("SPECDEC_TP_HANG_DUMP_S"):  # diagnostics (tests/helpers/tp_probe.py): stacks of a hang
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["SPECDEC_TP_HANG_DUMP_S"]), exit=False)
-    init_rank(rank, size, rendezvous, config.device)
+    init_rank(rank, size, rendezvous, config)
     engine = make_engine(config, tp=TensorParallel(rank, size))
     while True:
         try:
