@@ -186,6 +186,21 @@ DEFAULT_GRAPH_CONTEXT_LENS = (256,)
 TP_ALL_REDUCE_MODES = ("auto", "nccl", "one-shot")  # EngineConfig.tp_all_reduce (collectives.py)
 
 
+def rank_devices(device: str, size: int, rank: int = 0) -> list[str]:
+    """The device of every rank of a tensor-parallel group of `size` (serving/tensor_parallel.py),
+    given rank `rank`'s: consecutive GPUs from rank 0's, or the CPU for every rank."""
+    if size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1 or not device.startswith("cuda"):
+        return [device] * size
+    first = (torch.device(device).index or 0) - rank
+    available = torch.cuda.device_count()
+    if first + size > available:
+        raise ConfigError(f"tensor_parallel_size {size} from {device} needs GPUs {first}..{first + size - 1}; "
+                          f"{available} visible")
+    return [f"cuda:{first + r}" for r in range(size)]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What a model server's engine needs: model, device, KV sizing, limits of a step."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import DEFAULT_GRAPH_PREFILL_LENS, CacheConfig, ConfigError, EngineConfig, ModelConfig
+from specdec.config import (DEFAULT_GRAPH_PREFILL_LENS, CacheConfig, ConfigError, EngineConfig, ModelConfig,
+                            rank_devices)
 from specdec.kv_cache import KVCache
 from specdec.models.llama import TensorParallel
 from specdec.models.loader import build_model, init_random, load_model
@@ -174,15 +175,9 @@ class ModelEngine:
             block_size=blocks.block_size, device=str(self.device),
             dtype=str(self.config.dtype).removeprefix("torch."), eos_token_ids=mc.eos_token_ids,
             num_sequences=self.num_sequences(), tensor_parallel_size=self.tp.size,
-            device_uuids=tuple(u for d in self._rank_devices() for u in device_uuids(d)),
+            device_uuids=tuple(u for d in rank_devices(str(self.device), self.tp.size, self.tp.rank)
+                               for u in device_uuids(torch.device(d))),
             max_num_draft=self.config.max_num_draft)
-
-    def _rank_devices(self) -> list[torch.device]:
-        """The devices of every rank of this engine's group (consecutive GPUs from rank 0's)."""
-        if self.device.type != "cuda" or self.tp.size == 1:
-            return [self.device]
-        first = (self.device.index or 0) - self.tp.rank
-        return [torch.device("cuda", first + r) for r in range(self.tp.size)]
 
     # --- validation --------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], field: str) -> None:

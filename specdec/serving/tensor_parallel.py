@@ -13,8 +13,9 @@ decisions and keeps the same KV bookkeeping without a second message. Each mirro
 rank 0's bookkeeping (sequences, free blocks, held tokens); a rank that finds its own different
 stops the group instead of running a forward whose all-reduce would never meet.
 
-Reads (info, metrics gauges, the profile) stay on rank 0. A rank that dies takes the server down
-(exit status 1), from the spawn on: the others would wait in their next all-reduce (or in the
+Reads (info, metrics gauges, the profile) stay on rank 0. A rank that dies, or whose mirrored
+call raises (status 4; bookkeeping that differs: 3), takes the server down (exit status 1), from
+the spawn on: the others would wait in their next all-reduce (or in the
 rendezvous) for ever. Ranks 1..N-1 ignore SIGINT and SIGTERM (rank 0 stops them once it has
 drained) and exit when rank 0 is gone. On the CPU the ranks use gloo (tests); the rendezvous is a
 file, so no port can collide.
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from specdec import collectives
-from specdec.config import ConfigError, EngineConfig
+from specdec.config import EngineConfig, rank_devices
 from specdec.models.llama import TensorParallel
 
 log = logging.getLogger("specdec.tensor_parallel")
@@ -49,20 +50,6 @@ log = logging.getLogger("specdec.tensor_parallel")
 MIRRORED = frozenset({"warm_up", "propose", "verify", "release"})
 WATCH_INTERVAL_S = 1.0
 GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waits this long for a rank (loading a 70B shard)
-
-
-def rank_devices(device: str, size: int) -> list[str]:
-    """The device of each rank: consecutive GPUs from `device`'s index, or the CPU for every rank."""
-    if size < 1:
-        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
-    if not device.startswith("cuda"):
-        return [device] * size
-    first = torch.device(device).index or 0
-    available = torch.cuda.device_count()
-    if first + size > available:
-        raise ConfigError(f"tensor_parallel_size {size} from {device} needs GPUs {first}..{first + size - 1}; "
-                          f"{available} visible")
-    return [f"cuda:{first + r}" for r in range(size)]
 
 
 def init_rank(rank: int, size: int, rendezvous: str, config: EngineConfig) -> None:
@@ -315,8 +302,15 @@ def _rank_main(rank: int, size: int, rendezvous: str, config: EngineConfig, make
             os._exit(3)
         try:
             getattr(engine, name)(*args, **kwargs)
-        except Exception:  # rank 0 runs the same call and answers the client; nothing to report here
-            log.debug("mirrored %s raised (as it does on rank 0)", name, exc_info=True)
+        except Exception:
+            # Rank 0 may not have raised (a failure of this GPU alone) and may wait in an all-reduce
+            # this rank left; where it did raise, it ends the server itself (on_call_failed). Either
+            # way the group cannot go on: exit, and rank 0's watch ends the server within a second
+            # instead of hanging for GROUP_TIMEOUT.
+            log.exception("mirrored %s raised on rank %d: the ranks cannot be trusted to agree; exiting",
+                          name, rank)
+            logging.shutdown()
+            os._exit(4)
     if config.device.startswith("cuda"):
         # Nothing of NCCL's teardown (see leave_group) runs here: the process exit frees it.
         logging.shutdown()

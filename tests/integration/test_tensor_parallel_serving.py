@@ -4,7 +4,8 @@
   and next tokens, step after step, greedy and seeded sampling), frees every block, and stops its
   other rank on close;
 - a rank whose bookkeeping differs from rank 0's leaves the group (status 3) instead of entering
-  a forward the others would wait in, and rank 0 is told;
+  a forward the others would wait in, and rank 0 is told; so does a rank whose mirrored call
+  raises (status 4);
 - through the services: a target and a draft of two ranks each serve greedy speculative requests
   that equal one-rank plain decoding token for token, Info says 2 ranks, all KV is freed, and
   stopping the servers leaves none of their ranks behind.
@@ -123,6 +124,27 @@ def test_a_rank_that_diverges_leaves_the_group_and_rank_zero_is_told(pair):
             time.sleep(0.1)
         assert lost == [(1, 3)]
         assert failed == ["verify"]   # a server would exit here: the call ran on rank 0 only
+    finally:
+        tp.close(timeout=5)
+
+
+def test_a_mirrored_call_that_raises_on_another_rank_alone_ends_the_group(pair):
+    """A failure of one GPU's rank only (here: a call only rank 1 receives, which raises there) may
+    leave rank 0 in an all-reduce for the group timeout: the rank exits (status 4) and rank 0's
+    watch is told, where it used to log the error and wait for the next call."""
+    target_path, _ = pair
+    lost = []
+    tp = tensor_parallel.start(TargetEngine, engine_config(target_path, tensor_parallel_size=2),
+                               on_rank_lost=lambda rank, status: lost.append((rank, status)),
+                               on_call_failed=lambda name, error: None)
+    try:
+        tp.verify([VerifySeqInput(1, PROMPTS[0], first=True)])
+        call = ("release", (None,), {}, tensor_parallel.bookkeeping(tp.engine))   # iterating None raises
+        tp._senders[0].send_bytes(tensor_parallel.dumps_call(call))
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert lost == [(1, 4)]
     finally:
         tp.close(timeout=5)
 

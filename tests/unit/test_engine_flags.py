@@ -54,3 +54,15 @@ def test_cpu_engines_run_eagerly(tmp_path):
     for cls, path in ((DraftEngine, draft), (TargetEngine, target)):
         engine = cls(EngineConfig(model=path, num_blocks=8))
         assert engine.runner.graphs is None and engine.graph_replays == 0
+
+
+def test_rank_devices_are_consecutive_gpus_from_rank_zeros(monkeypatch):
+    from specdec.config import rank_devices
+    assert rank_devices("cpu", 2) == ["cpu", "cpu"] and rank_devices("cuda:3", 1) == ["cuda:3"]
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    assert rank_devices("cuda:1", 2) == ["cuda:1", "cuda:2"]
+    assert rank_devices("cuda:2", 2, rank=1) == ["cuda:1", "cuda:2"]    # seen from rank 1 (the engine's Info)
+    with pytest.raises(ConfigError, match="needs GPUs 3..4; 4 visible"):
+        rank_devices("cuda:3", 2)
+    with pytest.raises(ConfigError, match=">= 1"):
+        rank_devices("cpu", 0)
