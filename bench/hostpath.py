@@ -10,7 +10,8 @@ e2e.py reports "transport" per step: the coordinator's step time minus both serv
 - server: a round trip to a real target server (tiny random model on the CPU) through the
   coordinator's ModelServer, minus the step_seconds the server reports: what our server stack
   (interceptor, runtime, conversion, response) and client wrapper add to the bare round trip;
-  and the server's host time inside the step (step_seconds minus its forward seconds);
+  and the server's host time inside the step (step_seconds minus its forward seconds); the same
+  over the server's step channel (a plain socket, specdec/serving/step_channel.py) beside it;
 - loop: the coordinator's step loop (SpecLoop) against in-process servers that answer at once
   (every draft accepted), with a task draining each sequence's queue as a client stream would:
   the coordinator's own Python per step (planning, requests, applying results, emission,
@@ -113,8 +114,12 @@ async def bare_rtt(address: str, batch: int, steps: int, spinning: bool = False)
 
 
 # --- the real target server ---------------------------------------------------------------------
-async def server_rtt(address: str, batch: int, steps: int) -> dict:
-    server = ModelServer("target", address)
+async def server_rtt(address: str, batch: int, steps: int, channel: bool = False) -> dict:
+    """channel: over the server's step channel (specdec/serving/step_channel.py) instead of gRPC;
+    the keys then start with channel_."""
+    server = ModelServer("target", address, step_channel=channel)
+    await server.info()
+    assert server.transport == ("channel" if channel else "grpc")
     await server.step(verify_request(1, batch, first=True, prompt=4), timeout=30)
     rtt, step_s, host_s = [], [], []
     for i in range(steps):
@@ -134,9 +139,10 @@ async def server_rtt(address: str, batch: int, steps: int) -> dict:
             await server.step(verify_request(0, batch, first=True, prompt=4), timeout=30)
     await server.release(range(batch))
     await server.close()
-    return {"server_rtt_us": median_us(rtt), "server_step_us": median_us(step_s),
-            "server_outside_us": median_us([a - b for a, b in zip(rtt, step_s)]),
-            "server_host_us": median_us(host_s)}
+    prefix = "channel" if channel else "server"
+    return {f"{prefix}_rtt_us": median_us(rtt), f"{prefix}_step_us": median_us(step_s),
+            f"{prefix}_outside_us": median_us([a - b for a, b in zip(rtt, step_s)]),
+            f"{prefix}_host_us": median_us(host_s)}
 
 
 # --- the coordinator's loop ---------------------------------------------------------------------
@@ -219,6 +225,8 @@ def main() -> int:
             row = {"batch": b, "bare_rtt_us": asyncio.run(bare_rtt(f"127.0.0.1:{port}", b, steps)),
                    "bare_rtt_spinning_us": asyncio.run(bare_rtt(f"127.0.0.1:{spin_port}", b, steps, True))}
             row.update(asyncio.run(server_rtt(target.address, b, steps)))
+            row.update(asyncio.run(server_rtt(target.address, b, steps, channel=True)))
+            row["channel_vs_grpc"] = row["channel_outside_us"] / row["server_outside_us"]
             row["stack_over_bare_us"] = row["server_outside_us"] - row["bare_rtt_us"]
             row["loop_step_us"] = asyncio.run(loop_step_us(b, steps))
             rows.append(row)
@@ -233,6 +241,8 @@ def main() -> int:
     print(table(rows, [("batch", "batch", "d"), ("bare_rtt_us", "bare gRPC RTT us", ".0f"),
                        ("bare_rtt_spinning_us", "spinning loops us", ".0f"),
                        ("server_outside_us", "server RTT - step us", ".0f"),
+                       ("channel_outside_us", "same, step channel us", ".0f"),
+                       ("channel_vs_grpc", "channel / gRPC", ".2f"),
                        ("stack_over_bare_us", "our stack over bare us", ".0f"),
                        ("server_host_us", "server host in step us", ".0f"),
                        ("loop_step_us", "coordinator loop us/step", ".0f")]))

@@ -63,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                         "It pays with the draft on a GPU of its own (on the target's GPU the two "
                         "share it and it is slower): auto (default) turns it on when the servers "
                         "report different GPUs; `--pipeline` alone is on")
+    p.add_argument("--step-channel", default=d["step_channel"].default, choices=("auto", "grpc"),
+                   help="how steps reach the model servers: auto (default) over a server's step "
+                        "channel, a plain socket it names in Info (its --step-port), where it has one, "
+                        "else its gRPC stream; grpc: always the gRPC stream")
     p.add_argument("--log-level", default="INFO")
     args = vars(p.parse_args(argv))
     logging.basicConfig(level=args.pop("log_level").upper(),

@@ -106,8 +106,9 @@ class Coordinator:
         """Waits for the servers and checks that draft, target and tokenizer agree. The target is
         required; a draft that does not answer is tried again in the background (the draft is
         optional), but a draft that answers with another vocabulary is a start-up error."""
-        target = ModelServer("target", config.target, metrics)
-        draft = ModelServer("draft", config.draft, metrics) if config.draft else None
+        channel = config.step_channel == "auto"
+        target = ModelServer("target", config.target, metrics, step_channel=channel)
+        draft = ModelServer("draft", config.draft, metrics, step_channel=channel) if config.draft else None
         waits = [target.wait_ready(config.connect_timeout_s)]
         if draft is not None:
             waits.append(draft.wait_ready(config.connect_timeout_s))
@@ -125,6 +126,11 @@ class Coordinator:
                 check_draft_compatible(target_info, draft_info)
         tokenizer = TextTokenizer(config.tokenizer or target_info.model_name)
         check_tokenizer_compatible(target_info, tokenizer)
+        for server, info in ((target, target_info), (draft, draft_info)):
+            if info is not None:
+                log.info("%s steps over %s", server.role,
+                         f"its step channel (port {server.step_port})" if server.transport == "channel"
+                         else "the gRPC stream")
         coord = cls(config, tokenizer, target, draft, target_info, draft_info, metrics)
         if draft is not None and draft_info is None:
             coord.loop.draft_up = True  # so that set_draft_down starts the probe

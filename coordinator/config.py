@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 GAMMA_POLICIES = ("fixed", "auto")
 PIPELINE_MODES = ("auto", "on", "off")
+STEP_CHANNELS = ("auto", "grpc")
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,7 @@ class CoordinatorConfig:
     grace_s: float = 5.0              # SIGTERM: in-flight requests may finish this long
     busy_poll_ms: float = 0.0         # the loop polls instead of sleeping this long after each step
     pipeline: str = "auto"            # pipelined speculation: on, off, auto (on when the draft has its own GPU)
+    step_channel: str = "auto"        # steps over a server's step channel where it has one (auto), or gRPC
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -54,6 +56,8 @@ class CoordinatorConfig:
             raise ConfigError(f"gamma_policy: expected one of {GAMMA_POLICIES}, got {self.gamma_policy!r}")
         if self.pipeline not in PIPELINE_MODES:
             raise ConfigError(f"pipeline: expected one of {PIPELINE_MODES}, got {self.pipeline!r}")
+        if self.step_channel not in STEP_CHANNELS:
+            raise ConfigError(f"step_channel: expected one of {STEP_CHANNELS}, got {self.step_channel!r}")
         if self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms must be >= 0, got {self.busy_poll_ms}")
         for name in ("connect_timeout_s", "target_timeout_s", "draft_timeout_s", "draft_retry_s", "grace_s"):

@@ -1,8 +1,11 @@
 """Connections to the draft and target servers: Info, Release and the persistent step stream.
 
-The step stream is one bidi call that lives as long as the coordinator (a unary call per step
-costs ~0.3-0.6 ms); exactly one request is in flight on it, so responses pair with requests by
-order. A stream that fails is dropped and reopened on the next step.
+The step stream lives as long as the coordinator (a unary call per step costs ~0.3-0.6 ms):
+the server's step channel (a plain socket it names in Info, specdec/serving/step_channel.py:
+the event loop reads the answer itself, no gRPC thread hand-off) where it has one and the
+coordinator may use it, else one gRPC bidi call. Exactly one request is in flight on it, so
+responses pair with requests by order. A stream that fails is dropped and reopened on the next
+step.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import grpc
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from protos.wire import MAX_MESSAGE_BYTES
+from protos.wire import FRAME_ERROR, MAX_MESSAGE_BYTES, frame, read_frame
 from specdec.metrics import CoordinatorMetrics
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -34,6 +37,64 @@ class StreamBroken(ConnectionError):
     """The server closed the step stream."""
 
 
+class StepFailed(ConnectionError):
+    """The server answered a step on its step channel with an error frame: the step failed as a
+    whole, with this gRPC status (the gRPC stream would have ended with it)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class ChannelCall:
+    """One connection to a server's step channel, used as the gRPC stream call is (write, read,
+    done, cancel): read returns grpc.aio.EOF where the server closed it between frames."""
+
+    def __init__(self, host: str, port: int, response_cls):
+        self.host, self.port, self.response_cls = host, port, response_cls
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    def done(self) -> bool:
+        """Whether the connection is gone (closed here, or by the server between steps)."""
+        return self._writer is not None and (self._writer.is_closing() or self._reader.at_eof())
+
+    async def write(self, request) -> None:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        self._writer.write(frame(request.SerializeToString()))
+        await self._writer.drain()
+
+    async def read(self):
+        try:
+            kind, payload = await read_frame(self._reader)
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise StreamBroken(f"the step channel at {self.host}:{self.port} closed inside a frame") from None
+            return grpc.aio.EOF
+        if kind == FRAME_ERROR:
+            code, _, message = payload.decode("utf-8", "replace").partition(": ")
+            raise StepFailed(code, message)
+        response = self.response_cls()
+        response.ParseFromString(payload)
+        return response
+
+    def cancel(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def channel_host(address: str) -> str | None:
+    """The host of a gRPC target "host:port" (IPv6 in brackets), where the step channel listens;
+    None for other target forms (unix:..., dns:///...), which keep the gRPC stream."""
+    if "/" in address or address.startswith("unix:"):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def status_from_code(code: int) -> grpc.StatusCode:
     """The StatusCode of a numeric code (google.rpc.Code); INTERNAL for an unknown one."""
     return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
@@ -43,6 +104,8 @@ def status_name(e: BaseException) -> str:
     """The gRPC status a failed call counts under in specdec_errors_total."""
     if isinstance(e, grpc.aio.AioRpcError):
         return e.code().name
+    if isinstance(e, StepFailed):
+        return e.code if e.code in grpc.StatusCode.__members__ else "INTERNAL"
     if isinstance(e, asyncio.TimeoutError):
         return "DEADLINE_EXCEEDED"
     if isinstance(e, ConnectionError):
@@ -54,7 +117,9 @@ class ModelServer:
     """One model server as the coordinator sees it. Step and Release round trips go into
     specdec_rpc_seconds{role="coordinator"}, their failures into specdec_errors_total."""
 
-    def __init__(self, role: str, address: str, metrics: CoordinatorMetrics | None = None):
+    def __init__(self, role: str, address: str, metrics: CoordinatorMetrics | None = None,
+                 step_channel: bool = True):
+        """step_channel: step over the server's step channel where its Info names one."""
         if role not in ("draft", "target"):
             raise ValueError(f"role: expected draft or target, got {role!r}")
         self.role, self.address, self.metrics = role, address, metrics
@@ -62,10 +127,22 @@ class ModelServer:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = pb_grpc.DraftStub if role == "draft" else pb_grpc.TargetStub
         self.stub = stub_cls(self.channel)
+        self._response_cls = pb.ProposeResponse if role == "draft" else pb.VerifyResponse
+        self._channel_host = channel_host(address) if step_channel else None
+        self.step_port = 0  # the server's step channel as its last Info named it (0: none)
         self._call = None
 
+    @property
+    def transport(self) -> str:
+        """What the next step goes over: "channel" or "grpc"."""
+        return "channel" if self._channel_host is not None and self.step_port else "grpc"
+
     async def info(self, timeout: float = 5.0) -> pb.ModelInfo:
-        return await self.stub.Info(pb.InfoRequest(), timeout=timeout)
+        info = await self.stub.Info(pb.InfoRequest(), timeout=timeout)
+        if info.step_port != self.step_port:  # a server restarted on another port, or with none
+            self.reset()
+            self.step_port = info.step_port
+        return info
 
     async def wait_ready(self, timeout: float) -> pb.ModelInfo:
         """Info, retried until the server answers or `timeout` seconds pass."""
@@ -108,7 +185,10 @@ class ModelServer:
             # flight, so a new stream loses nothing (a server that lost sequences says NOT_FOUND).
             self._call = None
         if self._call is None:
-            self._call = self.stub.Propose() if self.role == "draft" else self.stub.Verify()
+            if self.transport == "channel":
+                self._call = ChannelCall(self._channel_host, self.step_port, self._response_cls)
+            else:
+                self._call = self.stub.Propose() if self.role == "draft" else self.stub.Verify()
         try:
             response = await asyncio.wait_for(self._exchange(request), timeout)
         except BaseException:

@@ -23,6 +23,7 @@ def propose(engine, request: pb.ProposeRequest) -> tuple[pb.ProposeResponse, obj
 
 class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
     rpc_name = "Propose"
+    request_cls = pb.ProposeRequest
 
     async def Propose(self, request_iterator, context):
         async for response in self._steps(request_iterator):
@@ -48,5 +49,7 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
         self.runtime.metrics.observe_forward("prefill" if prompt else "decode", len(served), first)
 
 
-def add_to_server(server, runtime: EngineRuntime) -> None:
-    pb_grpc.add_DraftServicer_to_server(DraftServicer(runtime), server)
+def add_to_server(server, runtime: EngineRuntime) -> DraftServicer:
+    servicer = DraftServicer(runtime)
+    pb_grpc.add_DraftServicer_to_server(servicer, server)
+    return servicer

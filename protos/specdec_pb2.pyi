@@ -95,7 +95,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "tokenizer_fingerprint", "max_model_len", "kv_blocks_total", "kv_blocks_free", "block_size", "device", "dtype", "eos_token_ids", "num_sequences", "tensor_parallel_size", "device_uuids", "max_num_draft")
+    __slots__ = ("model_name", "architecture", "vocab_size", "tokenizer_fingerprint", "max_model_len", "kv_blocks_total", "kv_blocks_free", "block_size", "device", "dtype", "eos_token_ids", "num_sequences", "tensor_parallel_size", "device_uuids", "max_num_draft", "step_port")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    STEP_PORT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -126,7 +127,8 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     device_uuids: _containers.RepeatedScalarFieldContainer[str]
     max_num_draft: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device_uuids: _Optional[_Iterable[str]] = ..., max_num_draft: _Optional[int] = ...) -> None: ...
+    step_port: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device_uuids: _Optional[_Iterable[str]] = ..., max_num_draft: _Optional[int] = ..., step_port: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)

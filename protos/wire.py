@@ -2,6 +2,8 @@
 (torch-free): token ids travel as packed little-endian int32 bytes, never as repeated scalars."""
 from __future__ import annotations
 
+import asyncio
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -67,3 +69,32 @@ def sparse_positions(rows: int, vocab_size: int, row_lengths: bytes, indices: by
     if repeats_a_column(flat):
         raise WireError("indices: a column appears twice in one row")
     return flat
+
+
+# --- the step channel's frames (specdec/serving/step_channel.py, coordinator/servers.py) -----------
+# A frame: little-endian uint32 length of what follows, one kind byte, the payload. A step request
+# and its answer are each one frame holding the serialized ProposeRequest / VerifyRequest and
+# ProposeResponse / VerifyResponse; an answer that failed as a whole is a FRAME_ERROR frame whose
+# payload is "<gRPC status name>: <message>" in UTF-8.
+FRAME_MESSAGE = 0
+FRAME_ERROR = 1
+_FRAME_HEADER = struct.Struct("<IB")
+
+
+class FrameError(ConnectionError):
+    """A frame this side will not read: longer than MAX_MESSAGE_BYTES, or of an unknown kind."""
+
+
+def frame(payload: bytes, kind: int = FRAME_MESSAGE) -> bytes:
+    if len(payload) >= MAX_MESSAGE_BYTES:
+        raise FrameError(f"a {len(payload)}-byte frame is over the {MAX_MESSAGE_BYTES}-byte limit")
+    return _FRAME_HEADER.pack(len(payload) + 1, kind) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """(kind, payload) of the next frame; asyncio.IncompleteReadError where the stream ends
+    (at a frame's start: a clean close), FrameError for a frame not to read."""
+    length, kind = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
+    if not 1 <= length <= MAX_MESSAGE_BYTES or kind not in (FRAME_MESSAGE, FRAME_ERROR):
+        raise FrameError(f"frame of length {length} and kind {kind}: not a step channel frame")
+    return kind, await reader.readexactly(length - 1)

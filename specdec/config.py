@@ -296,8 +296,12 @@ class ServerConfig:
     # After each step the event loop polls instead of sleeping for this long (specdec/busy_poll.py);
     # None: 20 ms on cuda, 0 (off) on cpu, where the cores are the forward's.
     busy_poll_ms: float | None = None
+    # TCP port of the step channel (serving/step_channel.py): 0 any free port, -1 none
+    step_port: int = 0
 
     def __post_init__(self) -> None:
+        if not -1 <= self.step_port < 65536:
+            raise ConfigError(f"step_port must be in -1..65535, got {self.step_port}")
         if self.busy_poll_ms is not None and self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms must be >= 0, got {self.busy_poll_ms}")
         if self.role not in ("draft", "target"):

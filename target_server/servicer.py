@@ -22,6 +22,7 @@ def verify(engine, request: pb.VerifyRequest) -> tuple[pb.VerifyResponse, object
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     rpc_name = "Verify"
+    request_cls = pb.VerifyRequest
 
     async def Verify(self, request_iterator, context):
         async for response in self._steps(request_iterator):
@@ -52,5 +53,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
             self.runtime.engine.profile.costs.update(len(served), lens[0], timing.forward_seconds)
 
 
-def add_to_server(server, runtime: EngineRuntime) -> None:
-    pb_grpc.add_TargetServicer_to_server(TargetServicer(runtime), server)
+def add_to_server(server, runtime: EngineRuntime) -> TargetServicer:
+    servicer = TargetServicer(runtime)
+    pb_grpc.add_TargetServicer_to_server(servicer, server)
+    return servicer

@@ -28,7 +28,7 @@ from specdec.engine.base import ModelEngine
 from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
 from specdec.profiling import profile_dir, write_profile
-from specdec.serving import tensor_parallel
+from specdec.serving import step_channel, tensor_parallel
 from specdec.serving.errors import ErrorInterceptor, NotReady
 from specdec.serving.tensor_parallel import TensorParallelEngine
 
@@ -53,6 +53,7 @@ class EngineRuntime:
         self.engine: ModelEngine | None = None
         self.metrics = metrics
         self.decode_seconds = 0.0  # single-token forward seconds of the step in progress
+        self.step_port = 0  # the step channel's port, which Info reports (0: none)
         # SPECDEC_PROFILE_DIR: a cProfile of every call on the engine thread after start-up (request
         # conversion, engine step, response, metrics), written there at shutdown (specdec/profiling.py).
         self.profiler = cProfile.Profile() if profile else None
@@ -180,6 +181,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "auto: a one-shot all-reduce over symmetric memory (NVLink peers) for "
                         "activations up to 512 KiB where every rank can, NCCL otherwise; nccl: NCCL "
                         "only; one-shot: refuse to start without it (specdec/collectives.py)")
+    p.add_argument("--step-port", type=int, default=0,
+                   help="TCP port of the step channel (Propose / Verify steps as plain frames beside "
+                        "the gRPC stream, without gRPC's thread hand-offs; the coordinator finds it in "
+                        "Info; specdec/serving/step_channel.py): 0 (default) any free port, -1 none")
     p.add_argument("--torch-threads", type=int, help="intra-op CPU threads (default: torch's choice)")
     p.add_argument("--busy-poll-ms", type=float,
                    help="after each step the event loop polls instead of sleeping for this long: "
@@ -221,7 +226,8 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             gemv_kernels=a.gemv_kernels, pdl=a.pdl, tensor_parallel_size=a.tensor_parallel_size,
             tp_all_reduce=a.tp_all_reduce)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
-                              torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms)
+                              torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms,
+                              step_port=a.step_port)
     except ValueError as e:
         parser.error(str(e))
     return config, a.metrics_port, a.log_level
@@ -236,16 +242,17 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 # --- serving -----------------------------------------------------------------------------------
 async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], ModelEngine],
-                add_servicer: Callable[[grpc.aio.Server, EngineRuntime], None], service_name: str,
+                add_servicer: Callable[[grpc.aio.Server, EngineRuntime], object], service_name: str,
                 metrics: ServerMetrics, metrics_port: int = -1) -> None:
-    """Listens at once (health NOT_SERVING; /metrics too when metrics_port >= 0), loads and warms
-    the engine on its thread, then reports SERVING until SIGINT/SIGTERM."""
+    """Listens at once (health NOT_SERVING; the step channel unless step_port is -1; /metrics too
+    when metrics_port >= 0), loads and warms the engine on its thread, then reports SERVING until
+    SIGINT/SIGTERM. add_servicer returns the servicer it added (its steps serve the channel)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     runtime = EngineRuntime(metrics, profile=profile_dir() is not None, busy_poll_s=config.busy_poll_s)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(on_error=metrics.count_error)],
                              options=SERVER_OPTIONS)
-    add_servicer(server, runtime)
+    servicer = add_servicer(server, runtime)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -256,6 +263,15 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
     port = server.add_insecure_port(config.address)
     await server.start()
     log.info("%s server listening on %s:%d", config.role, config.host, port)
+    channel = None
+    if config.step_port >= 0:
+        channel = step_channel.StepChannel(servicer)
+        try:
+            runtime.step_port = await channel.start(config.host, config.step_port)
+        except OSError as e:
+            await server.stop(None)
+            raise ConfigError(f"--step-port {config.step_port}: cannot listen on it: {e}") from None
+        log.info("%s step channel on port %d", config.role, runtime.step_port)
     metrics_server = start_metrics_server(metrics_port, metrics.registry) if metrics_port >= 0 else None
     if metrics_server is not None:
         log.info("%s metrics on port %d", config.role, metrics_server.port)
@@ -276,7 +292,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         log.info("shutting down")
     finally:
         await health.enter_graceful_shutdown()
-        await server.stop(config.grace_seconds)
+        await asyncio.gather(server.stop(config.grace_seconds),
+                             *([channel.close(config.grace_seconds)] if channel is not None else []))
         runtime.busy_poll.close()
         runtime.executor.shutdown(wait=True, cancel_futures=True)
         if isinstance(runtime.engine, TensorParallelEngine):

@@ -30,6 +30,7 @@ def runs_inline(request) -> bool:
 
 class ModelServicer:
     rpc_name = ""  # "Propose" or "Verify"
+    request_cls = None  # pb.ProposeRequest or pb.VerifyRequest (the step channel parses frames as it)
 
     def __init__(self, runtime: EngineRuntime):
         self.runtime = runtime
@@ -99,7 +100,9 @@ class ModelServicer:
         t0 = time.perf_counter()
         info = await self.runtime.call(lambda: self.runtime.engine.info())
         self.runtime.metrics.observe_rpc("Info", time.perf_counter() - t0)
-        return convert.info_to_pb(info)
+        message = convert.info_to_pb(info)
+        message.step_port = self.runtime.step_port
+        return message
 
     async def Release(self, request, context):
         t0 = time.perf_counter()
