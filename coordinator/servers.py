@@ -10,6 +10,7 @@ step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -33,8 +34,19 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.http2.max_pings_without_data", 0)]  # 0: keep pinging an idle stream
 
 
+log = logging.getLogger("specdec.coordinator")
+
+# A step channel that accepts no connection within this long is taken as unreachable from here (a
+# firewall between hosts that lets gRPC through): the step goes over gRPC instead (ModelServer).
+CHANNEL_CONNECT_TIMEOUT_S = 5.0
+
+
 class StreamBroken(ConnectionError):
     """The server closed the step stream."""
+
+
+class ChannelUnreachable(ConnectionError):
+    """No connection to a server's step channel: the request never left."""
 
 
 class StepFailed(ConnectionError):
@@ -61,7 +73,11 @@ class ChannelCall:
 
     async def write(self, request) -> None:
         if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            try:
+                self._reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.host, self.port), CHANNEL_CONNECT_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError) as e:
+                raise ChannelUnreachable(f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
         self._writer.write(frame(request.SerializeToString()))
         await self._writer.drain()
 
@@ -130,18 +146,26 @@ class ModelServer:
         self._response_cls = pb.ProposeResponse if role == "draft" else pb.VerifyResponse
         self._channel_host = channel_host(address) if step_channel else None
         self.step_port = 0  # the server's step channel as its last Info named it (0: none)
+        # The channel could not be reached: steps go over gRPC until an Info names another port
+        # or answers after a failed call (a server back from a restart on the same port).
+        self._channel_off = False
+        self._failed_since_info = False
         self._call = None
 
     @property
     def transport(self) -> str:
         """What the next step goes over: "channel" or "grpc"."""
-        return "channel" if self._channel_host is not None and self.step_port else "grpc"
+        return "channel" if self._channel_host is not None and self.step_port and not self._channel_off else "grpc"
 
     async def info(self, timeout: float = 5.0) -> pb.ModelInfo:
         info = await self.stub.Info(pb.InfoRequest(), timeout=timeout)
         if info.step_port != self.step_port:  # a server restarted on another port, or with none
             self.reset()
             self.step_port = info.step_port
+            self._channel_off = False
+        elif self._failed_since_info:
+            self._channel_off = False
+        self._failed_since_info = False
         return info
 
     async def wait_ready(self, timeout: float) -> pb.ModelInfo:
@@ -185,12 +209,19 @@ class ModelServer:
             # flight, so a new stream loses nothing (a server that lost sequences says NOT_FOUND).
             self._call = None
         if self._call is None:
-            if self.transport == "channel":
-                self._call = ChannelCall(self._channel_host, self.step_port, self._response_cls)
-            else:
-                self._call = self.stub.Propose() if self.role == "draft" else self.stub.Verify()
+            self._call = self._new_call()
         try:
             response = await asyncio.wait_for(self._exchange(request), timeout)
+        except ChannelUnreachable as e:
+            self.reset()
+            self._channel_off = True
+            log.warning("%s server's step channel unreachable (%s): stepping over gRPC", self.role, e)
+            self._call = self._new_call()
+            try:  # the request never left: the same one over gRPC
+                response = await asyncio.wait_for(self._exchange(request), timeout)
+            except BaseException:
+                self.reset()
+                raise
         except BaseException:
             self.reset()
             raise
@@ -202,6 +233,11 @@ class ModelServer:
             raise StreamBroken(f"{self.role} server answered step {response.step} to step {request.step}")
         return response
 
+    def _new_call(self):
+        if self.transport == "channel":
+            return ChannelCall(self._channel_host, self.step_port, self._response_cls)
+        return self.stub.Propose() if self.role == "draft" else self.stub.Verify()
+
     async def _exchange(self, request):
         await self._call.write(request)
         return await self._call.read()
@@ -211,6 +247,7 @@ class ModelServer:
             self.metrics.observe_rpc(rpc, time.perf_counter() - t0)
 
     def _failed(self, e: BaseException) -> None:
+        self._failed_since_info = True
         if self.metrics is not None:
             self.metrics.count_error(status_name(e))
 
