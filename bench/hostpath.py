@@ -1,6 +1,7 @@
 """Where a step's host time outside the forwards goes: the layers of one RPC, measured apart.
 
     python3 bench/hostpath.py [--batches 1 8] [--steps 400]
+    python3 bench/hostpath.py --baseline COMMIT [--passes 4]   # the loop only, against COMMIT's
 
 e2e.py reports "transport" per step: the coordinator's step time minus both servers' step_seconds
 (1.4-2.3 ms per speculative step on the H200 host, session 5). This splits it, on the host alone
@@ -15,13 +16,17 @@ e2e.py reports "transport" per step: the coordinator's step time minus both serv
 - loop: the coordinator's step loop (SpecLoop) against in-process servers that answer at once
   (every draft accepted), with a task draining each sequence's queue as a client stream would:
   the coordinator's own Python per step (planning, requests, applying results, emission,
-  statistics).
+  statistics); and of it, what lies on the step's critical path: against servers that take 2 ms
+  a call, the loop's time between a Verify's answer and the next Verify's request less the
+  Propose call (what waits for servers meanwhile, as the statistics and the client streams do,
+  is off the path).
 Medians over --steps steps after a warm-up. Writes bench/results/hostpath.json.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -49,6 +54,7 @@ from specdec.metrics import CoordinatorMetrics  # noqa: E402
 
 WARMUP = 50
 GAP_S = 0.003  # between two steps of one server (see server_rtt)
+SERVER_DELAY_S = 0.002  # per call of the loop's in-process servers when its critical path is timed
 GAMMA = 4
 TOKEN = 1000  # what the in-process servers draft and emit: a whole word of the demo tokenizer, no EOS
 TINY_TARGET = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192,
@@ -147,13 +153,20 @@ async def server_rtt(address: str, batch: int, steps: int, channel: bool = False
 
 # --- the coordinator's loop ---------------------------------------------------------------------
 class InstantServer:
-    """Answers every step at once: the draft proposes TOKEN x num_draft, the target accepts all."""
+    """Answers every step at once: the draft proposes TOKEN x num_draft, the target accepts all.
+    delay: seconds each call waits before it answers, as a server's step does: the loop's
+    deferred work (statistics, the client streams) runs then; calls records (role, entered, left)."""
 
-    def __init__(self, role: str):
-        self.role = role
+    def __init__(self, role: str, delay: float = 0.0, calls: list | None = None):
+        self.role, self.delay, self.calls = role, delay, calls
 
     async def step(self, request, timeout=None):
+        entered = time.perf_counter()
         await asyncio.sleep(0)  # a real call suspends: the client streams drain meanwhile
+        while time.perf_counter() - entered < self.delay:
+            await asyncio.sleep(0)  # spins: a loop woken from an idle CPU would add its own noise
+        if self.calls is not None:
+            self.calls.append((self.role, entered, time.perf_counter()))
         if self.role == "draft":
             r = pb.ProposeResponse(step=request.step)
             for s in request.seqs:
@@ -171,11 +184,25 @@ class InstantServer:
         pass
 
 
-async def loop_step_us(batch: int, steps: int) -> float:
+def critical_us(calls: list[tuple[str, float, float]]) -> float:
+    """The loop's own time per step outside the server calls: from one target call's entry to the
+    next, less the time inside the calls made in between (a Propose and a Verify)."""
+    entries = [i for i, (role, _, _) in enumerate(calls) if role == "target"]
+    outside = []
+    for i, j in zip(entries, entries[1:]):
+        span = calls[j][1] - calls[i][1]
+        outside.append(span - sum(left - entered for _, entered, left in calls[i:j]))
+    return median_us(outside)
+
+
+async def loop_step_us(batch: int, steps: int, delay: float = 0.0) -> float:
+    """delay 0: the loop's whole host time per step (every task's work between two chunks of one
+    stream); delay > 0: critical_us of servers that take `delay` per call."""
     tok = TextTokenizer(ROOT / "models" / "target")
     sched = Scheduler(batch, batch, KVCapacity("target", 100_000, 16), KVCapacity("draft", 100_000, 16))
     config = CoordinatorConfig(target="-", draft="-", num_draft=GAMMA)
-    loop = SpecLoop(config, sched, InstantServer("target"), InstantServer("draft"),
+    calls: list = []
+    loop = SpecLoop(config, sched, InstantServer("target", delay, calls), InstantServer("draft", delay, calls),
                     CoordinatorMetrics(CollectorRegistry(), max_positions=8), vocab_size=tok.vocab_size,
                     draft_max_len=1 << 20)
     new = (steps + WARMUP) * (GAMMA + 1)
@@ -189,6 +216,7 @@ async def loop_step_us(batch: int, steps: int) -> float:
     async def client(seq: Sequence) -> None:
         while True:
             chunk = await seq.queue.get()
+            chunk.text  # noqa: B018 -- read as the client stream does (the chunk's text is rendered then)
             if seq is seqs[0]:
                 stamps.append(time.perf_counter())
             if getattr(chunk, "finish", None) is not None:
@@ -197,19 +225,88 @@ async def loop_step_us(batch: int, steps: int) -> float:
     task = asyncio.create_task(loop.run())
     await asyncio.gather(*(client(s) for s in seqs))
     task.cancel()
+    if delay:
+        return critical_us(calls)
     return median_us([b - a for a, b in zip(stamps, stamps[1:])])
+
+
+def loop_rows(batches: list[int], steps: int) -> list[dict]:
+    return [{"batch": b, "loop_step_us": asyncio.run(loop_step_us(b, steps)),
+             "loop_critical_us": asyncio.run(loop_step_us(b, steps, delay=SERVER_DELAY_S))} for b in batches]
+
+
+def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
+    """The loop's figures of this checkout (B) against the commit `baseline` (A), in alternating
+    passes of fresh processes: A runs from a temporary git worktree of that commit, with this
+    checkout's bench scripts copied in (the same measurement over the other coordinator)."""
+    given = Path(baseline).is_dir()
+    if given:  # a folder holding the baseline's packages (where there is no git history to check out)
+        tree = Path(baseline).resolve()
+    else:
+        tree = Path(tempfile.mkdtemp(prefix="hostpath-base-")) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
+    try:
+        (tree / "bench").mkdir(exist_ok=True)
+        for name in ("hostpath.py", "common.py", "services.py"):
+            (tree / "bench" / name).write_bytes((ROOT / "bench" / name).read_bytes())
+        if not (tree / "models").exists():
+            (tree / "models").symlink_to(ROOT / "models")
+        args = ["--loop-only", "--steps", str(steps), "--batches", *map(str, batches)]
+        runs: dict[str, list[list[dict]]] = {"A": [], "B": []}
+        for i in range(passes):
+            for side, root in (("A", tree), ("B", ROOT)):
+                out = subprocess.run([sys.executable, str(root / "bench" / "hostpath.py"), *args],
+                                     check=True, capture_output=True, text=True, cwd=root).stdout
+                runs[side].append(json.loads(out.strip().splitlines()[-1]))
+                print(f"pass {i + 1} {side}: {runs[side][-1]}", flush=True)
+    finally:
+        if not given:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    rows = []
+    for j, b in enumerate(batches):
+        row = {"batch": b}
+        for key in ("loop_step_us", "loop_critical_us"):
+            for side in ("A", "B"):
+                vals = [r[j][key] for r in runs[side]]
+                row[f"{key}_{side.lower()}_values"] = vals
+                row[f"{key}_{side.lower()}"] = statistics.median(vals)
+            row[f"{key}_ratio"] = row[f"{key}_b"] / row[f"{key}_a"]
+        rows.append(row)
+    commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").exists() else baseline
+    if not given:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", baseline], capture_output=True,
+                                text=True).stdout.strip()
+    result = {"benchmark": "hostpath_loop_ab", "environment": environment(), "baseline": commit,
+              "b": "this checkout", "passes": passes, "steps": steps, "gamma": GAMMA, "rows": rows}
+    path = write_result("hostpath_loop_ab", result)
+    print(table(rows, [("batch", "batch", "d"), ("loop_step_us_a", f"loop us A ({commit})", ".0f"),
+                       ("loop_step_us_b", "loop us B", ".0f"), ("loop_step_us_ratio", "B / A", ".2f"),
+                       ("loop_critical_us_a", "critical us A", ".0f"), ("loop_critical_us_b", "critical us B", ".0f"),
+                       ("loop_critical_us_ratio", "B / A", ".2f")]))
+    print(f"wrote {path}")
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--baseline", help="a commit, or a folder with a commit's coordinator, protos and specdec "
+                    "(its COMMIT file names it): only the loop's figures, this checkout against that "
+                    "commit's coordinator in alternating passes (writes results/hostpath_loop_ab.json)")
+    ap.add_argument("--passes", type=int, default=4, help="with --baseline: passes per side")
+    ap.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)  # one pass, JSON out
     ap.add_argument("--serve-echo", type=int, help=argparse.SUPPRESS)  # the bare echo process
     ap.add_argument("--spinning", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve_echo:
         asyncio.run(serve_echo(a.serve_echo, a.spinning))
         return 0
+    if a.loop_only:
+        print(json.dumps(loop_rows(a.batches, a.steps + WARMUP)))
+        return 0
+    if a.baseline:
+        return loop_ab(a.baseline, a.batches, a.steps + WARMUP, a.passes)
     steps = a.steps + WARMUP
     work = Path(tempfile.mkdtemp(prefix="hostpath-"))
     port = free_port()
@@ -228,7 +325,7 @@ def main() -> int:
             row.update(asyncio.run(server_rtt(target.address, b, steps, channel=True)))
             row["channel_vs_grpc"] = row["channel_outside_us"] / row["server_outside_us"]
             row["stack_over_bare_us"] = row["server_outside_us"] - row["bare_rtt_us"]
-            row["loop_step_us"] = asyncio.run(loop_step_us(b, steps))
+            row.update(loop_rows([b], steps)[0])
             rows.append(row)
             print(row, flush=True)
     finally:
@@ -245,7 +342,8 @@ def main() -> int:
                        ("channel_vs_grpc", "channel / gRPC", ".2f"),
                        ("stack_over_bare_us", "our stack over bare us", ".0f"),
                        ("server_host_us", "server host in step us", ".0f"),
-                       ("loop_step_us", "coordinator loop us/step", ".0f")]))
+                       ("loop_step_us", "coordinator loop us/step", ".0f"),
+                       ("loop_critical_us", "of it between server calls", ".0f")]))
     print(f"wrote {path}")
     return 0
 

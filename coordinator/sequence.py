@@ -24,6 +24,7 @@ Server bookkeeping (the step protocol of DESIGN section 2):
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -68,12 +69,28 @@ class GenParams:
     num_draft: int = 0  # 0: the coordinator's policy
 
 
-@dataclass
 class Chunk:
-    """What goes to the client stream: text and ids since the last chunk; finish on the last one."""
-    text: str
-    token_ids: list[int]
-    finish: Finish | None = None
+    """What goes to the client stream: text and ids since the last chunk; finish on the last one.
+
+    A chunk of a sequence without stop strings gets its text when `text` is first read
+    (Sequence._render_through): the detokenizer runs in the client's stream task, while the step
+    loop waits for a server, instead of on the step's critical path. Reading any chunk's text
+    renders the sequence's earlier chunks first, so the text is the same in whatever order the
+    chunks are read."""
+    __slots__ = ("_text", "token_ids", "finish", "_seq")
+
+    def __init__(self, text: str | None, token_ids: list[int], finish: Finish | None = None,
+                 seq: "Sequence | None" = None):
+        self._text, self.token_ids, self.finish, self._seq = text, token_ids, finish, seq
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._seq._render_through(self)
+        return self._text
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.text!r}, {self.token_ids!r}, {self.finish!r})"
 
 
 @dataclass
@@ -113,12 +130,14 @@ class Sequence:
     steps: int = 0
     done: bool = False                # finished, aborted or cancelled: no more chunks
     cancelled: bool = False
+    wire_sampling: object = None      # params.sampling as the step messages carry it (spec_loop.sampling_pb)
 
     def __post_init__(self) -> None:
         self.target_pending = list(self.params.prompt_ids)
         self.draft_pending = list(self.params.prompt_ids)
         self._detok = IncrementalDetokenizer(self.tokenizer, list(self.params.prompt_ids))
         self._stops = StopStrings(self.params.stop)
+        self._unrendered: collections.deque[Chunk] = collections.deque()  # emitted, text not read yet
 
     @property
     def num_tokens(self) -> int:
@@ -169,7 +188,8 @@ class Sequence:
 
     def _emit_ids(self, tokens: list[int]) -> Chunk:
         """emit() without stop strings: every stop condition is a token's, so the step's tokens
-        are cut first and detokenized together (two tokenizer calls a step, not two a token)."""
+        are cut first; they are detokenized together (two tokenizer calls a step, not two a
+        token) when the chunk's text is read."""
         budget = self.remaining
         finish = None
         n = len(tokens)
@@ -180,10 +200,20 @@ class Sequence:
                 break
         taken = list(tokens[:n])
         self.output.extend(taken)
-        text = self._detok.push_many(taken)
-        if finish is not None:
-            text += self._detok.flush()
-        return Chunk(text, taken, finish)
+        chunk = Chunk(None, taken, finish, self)
+        self._unrendered.append(chunk)
+        return chunk
+
+    def _render_through(self, chunk: Chunk) -> None:
+        """Detokenizes the unrendered chunks in emission order, up to and including `chunk`."""
+        while True:
+            c = self._unrendered.popleft()
+            text = self._detok.push_many(c.token_ids)
+            if c.finish is not None:
+                text += self._detok.flush()
+            c._text = text
+            if c is chunk:
+                return
 
     def draft_proposed(self, tokens: list[int], extend: bool = False, rows: list | None = None) -> None:
         """The draft took this step's keep and pending and drafted `tokens` after them (after the

@@ -73,9 +73,13 @@ class Plan:
 
 
 def sampling_pb(seq: Sequence) -> pb.SamplingParams:
-    s = seq.params.sampling
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                             min_p=s.min_p, seed=s.seed)
+    """The sequence's sampling parameters as sent with each of its step messages (built once:
+    adding a message to a request copies it)."""
+    if seq.wire_sampling is None:
+        s = seq.params.sampling
+        seq.wire_sampling = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                              min_p=s.min_p, seed=s.seed)
+    return seq.wire_sampling
 
 
 class SpecLoop:
@@ -214,11 +218,14 @@ class SpecLoop:
         sched = self.scheduler
         request = pb.VerifyRequest(step=self._step_no, release=sorted(sched.release_target))
         for p in plans:
-            request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_ids(p.target_new),
-                             draft_tokens=pack_ids(p.drafts), sampling=sampling_pb(p.seq),
-                             partial_prefill=p.partial, first=p.seq.target_first)
+            msg = request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_ids(p.target_new),
+                                   draft_tokens=pack_ids(p.drafts), sampling=sampling_pb(p.seq))
+            if p.partial:  # (false flags are not passed: each keyword costs a step at large batches)
+                msg.partial_prefill = True
+            if p.seq.target_first:
+                msg.first = True
             if p.probs is not None:
-                request.seqs[-1].draft_probs.CopyFrom(p.probs)  # as received: exactness
+                msg.draft_probs.CopyFrom(p.probs)  # as received: exactness
         sched.release_target.clear()
         # Pipelined: the draft drafts the next step while the target verifies this one.
         ahead = asyncio.create_task(self._extend(plans, len(seqs))) if self.pipeline and self.draft_up else None

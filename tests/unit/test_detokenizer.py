@@ -174,3 +174,32 @@ def test_emit_without_stop_strings_matches_the_token_by_token_path(tok, case):
             break
     assert fast.output == slow.output
     assert (a.finish is None) == (case == "none")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunk_text_is_rendered_when_read_in_any_order(tok, seed):
+    """A sequence without stop strings detokenizes a chunk when its text is first read (the
+    client's stream task, off the step loop's critical path): emitting decodes nothing, and
+    reading the chunks' texts in any order gives the texts of reading each as it is emitted."""
+    rng = random.Random(seed)
+    ids = tok.encode(rng.choice(TEXTS) + rng.choice(TEXTS)) + [0]
+    kw = dict(eos_token_ids=frozenset({0}), max_new_tokens=len(ids))
+    eager, lazy = make_seq(tok, **kw), make_seq(tok, **kw)
+    decodes = []
+    real = lazy.tokenizer.decode
+    lazy.tokenizer = type("Counting", (), {"decode": lambda self, x: decodes.append(1) or real(x)})()
+    lazy._detok._tok = lazy.tokenizer
+    want, chunks, i = [], [], 0
+    while i < len(ids):
+        step = ids[i:i + rng.randint(1, 6)]
+        i += len(step)
+        a = eager.emit(step)
+        want.append((a.text, a.token_ids, a.finish))
+        chunks.append(lazy.emit(step))
+    assert not decodes                     # nothing rendered at emission
+    order = list(range(len(chunks)))
+    rng.shuffle(order)
+    texts = {k: chunks[k].text for k in order}
+    assert decodes
+    assert [(texts[k], c.token_ids, c.finish) for k, c in enumerate(chunks)] == want
+    assert "".join(texts[k] for k in range(len(chunks))) == tok.decode(ids[:-1])

@@ -45,3 +45,23 @@ def test_step_timing_reaches_the_proto_field_by_field():
               for i, n in enumerate(names)}
     msg = timing_to_pb(StepTiming(**values))
     assert {n: getattr(msg, n) for n in names} == values
+
+
+def test_token_ids_pack_as_little_endian_int32_at_every_size():
+    """pack_ids / unpack_ids: the wire's int32 little-endian ids (struct for a step's few ids,
+    numpy past 1024 on unpack), the same bytes as numpy's '<i4' for every size; an id outside
+    int32 is an OverflowError, never wrapped; a length that is no multiple of 4 is a WireError."""
+    import numpy as np
+    import pytest
+    from protos.wire import WireError, pack_ids, unpack_ids
+    for n in (0, 1, 5, 1024, 1025, 3000):
+        ids = [(-1) ** i * (i * 7919 % 2**31) for i in range(n)]
+        data = pack_ids(ids)
+        assert data == np.asarray(ids, dtype="<i4").tobytes()
+        assert unpack_ids(data) == ids
+    assert pack_ids(np.arange(3)) == pack_ids([0, 1, 2])
+    for bad in (2**31, -2**31 - 1):
+        with pytest.raises(OverflowError):
+            pack_ids([1, bad])
+    with pytest.raises(WireError, match="^new_tokens: 5 bytes"):
+        unpack_ids(b"\0" * 5, "new_tokens")
