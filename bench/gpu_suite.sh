@@ -6,7 +6,7 @@
 # Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-ab (E2E_AB_ARGS:
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
-#         (profiles.tgz), serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
+#         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
 #         anatomy, tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
@@ -59,7 +59,7 @@ for s in "$@"; do
     e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files)
       rm -rf /tmp/specdec-profiles && mkdir -p /tmp/specdec-profiles
       SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \
-        --sections 7b --batches-7b 1 --deadline "${E2E_DEADLINE:-150}"
+        --sections 7b --batches-7b ${PROFILE_BATCHES:-1} --deadline "${E2E_DEADLINE:-150}" ${PROFILE_ARGS:-}
       tar czf "$OUT/profiles.tgz" -C /tmp/specdec-profiles . ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
@@ -77,6 +77,7 @@ for s in "$@"; do
                   --tensor-parallel ${ANATOMY_TP:-1 2 2:nccl}; keep anatomy_tp.json ;;
     timeline) run timeline "${TIMELINE_S:-150}" python3 bench/timeline.py --replays 5 \
                 --kernel-sets ${TIMELINE_SETS:-default no_norm}; keep timeline.json ;;
+    hostpath) run hostpath "${HOSTPATH_S:-240}" python3 bench/hostpath.py; keep hostpath.json ;;
     attention-grid) run attention-grid "${GRID_S:-150}" python3 bench/attention_grid.py; keep attention_grid.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
