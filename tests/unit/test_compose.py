@@ -82,15 +82,32 @@ def test_compose_validates_as_written():
     validate(load())
 
 
-@pytest.mark.parametrize("variant", ["defaults", "one-gpu"])
+VARIANTS = ["defaults", "one-gpu", "tp2"]
+# Per variant: the target's device_ids, its tensor-parallel size, the draft's device_ids.
+GPUS = {"defaults": (["0"], 1, ["1"]), "one-gpu": (["0"], 1, ["0"]), "tp2": (["0,1"], 2, ["1"])}
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    return {} if variant == "defaults" else read_env(ROOT / "deploy" / f"{variant}.env")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_compose_validates_after_substitution(variant):
-    env = {} if variant == "defaults" else read_env(ROOT / "deploy" / "one-gpu.env")
-    doc = load(env)
+    doc = load(variant_env(variant))
     validate(doc)
-    assert device_ids(doc, "target") == ["0"]
-    assert device_ids(doc, "draft") == (["1"] if variant == "defaults" else ["0"])
+    target_gpus, tp, draft_gpus = GPUS[variant]
+    assert device_ids(doc, "target") == target_gpus and device_ids(doc, "draft") == draft_gpus
+    # As many GPUs in the target's container as ranks (Docker joins device_ids with commas).
+    assert len(target_gpus[0].split(",")) == tp == int(flag(doc, "target", "--tensor-parallel-size"))
+    shared = set(target_gpus[0].split(",")) & set(draft_gpus[0].split(","))
     for s in ("target", "draft"):
-        assert re.fullmatch(r"\d+GiB", flag(doc, s, "--kv-memory"))
+        kv = flag(doc, s, "--kv-memory")
+        assert re.fullmatch(r"\d+GiB", kv)
+        if shared:  # a GPU both servers use: explicit budgets that fit an H200 (141 GB) together
+            assert variant_env(variant).get(f"{s.upper()}_KV_MEMORY") == kv
+    if shared:
+        assert sum(int(flag(doc, s, "--kv-memory")[:-3]) for s in ("target", "draft")) <= 32
+    assert re.fullmatch(r"\d+[gm]b", doc["services"]["target"]["shm_size"])
 
 
 def test_schema_is_enforced():
@@ -161,15 +178,14 @@ def test_dockerfile_pins_base_and_dependencies():
     assert all("==" in d for d in deps), "the image installs pyproject's dependencies: pin them"
 
 
-@pytest.mark.parametrize("variant", ["defaults", "one-gpu"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_commands_are_accepted_by_the_real_command_lines(variant):
     # Each model service's command, after substitution, parses with the parser its module runs
     # (schema validation cannot catch a renamed or missing flag).
     from coordinator.__main__ import parse_args
     from specdec.serving.server import config_from_args
 
-    env = read_env(ROOT / "deploy" / "one-gpu.env") if variant == "one-gpu" else {}
-    services = load(env)["services"]
+    services = load(variant_env(variant))["services"]
     for name in MODEL_SERVICES:
         command = services[name]["command"]
         module = f"{name}_server" if name != "coordinator" else "coordinator"
@@ -181,3 +197,5 @@ def test_commands_are_accepted_by_the_real_command_lines(variant):
         else:
             config, metrics_port, _ = config_from_args(name, command[3:])
             assert config.engine.device == "cuda:0" and metrics_port == METRICS_PORTS[name]
+            tp = GPUS[variant][1] if name == "target" else 1
+            assert config.engine.tensor_parallel_size == tp, name
