@@ -97,6 +97,7 @@ class Coordinator:
         self._apply_draft_info(draft_info)
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
+        self._closing = False  # close() was called: the loop task's cancellation is expected
         self.failure: str | None = None  # set when the step loop died: no request can be served
         self._on_failure: Callable[[str], Awaitable[None]] | None = None
         self._failure_task: asyncio.Task | None = None
@@ -198,10 +199,13 @@ class Coordinator:
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The loop catches its own errors, so this is a last resort: without it every client
         would wait forever on a queue nobody fills."""
-        if task.cancelled():  # close()
+        if task.cancelled() and self._closing:  # close()
             return
-        exc = task.exception()
-        self.failure = f"coordinator step loop stopped: {type(exc).__name__ if exc else 'returned'}: {exc}"
+        # Cancelled by anything but close() (a CancelledError raised inside the loop ends its task
+        # as cancelled too): a failure like any other, or the clients would wait forever.
+        exc = None if task.cancelled() else task.exception()
+        what = "cancelled" if task.cancelled() else type(exc).__name__ if exc else "returned"
+        self.failure = f"coordinator step loop stopped: {what}: {exc}"
         log.error("%s; failing every request", self.failure, exc_info=exc)
         self.loop.fail_all(grpc.StatusCode.INTERNAL, self.failure)
         if self._on_failure is not None:
@@ -209,6 +213,7 @@ class Coordinator:
 
     async def close(self) -> None:
         """Stops the loop and frees, best effort, whatever the servers still hold for us."""
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -62,8 +62,9 @@ class ChannelCall:
     """One connection to a server's step channel, used as the gRPC stream call is (write, read,
     done, cancel): read returns grpc.aio.EOF where the server closed it between frames."""
 
-    def __init__(self, host: str, port: int, response_cls):
+    def __init__(self, host: str, port: int, response_cls, connect_timeout: float = CHANNEL_CONNECT_TIMEOUT_S):
         self.host, self.port, self.response_cls = host, port, response_cls
+        self.connect_timeout = connect_timeout
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -75,7 +76,7 @@ class ChannelCall:
         if self._writer is None:
             try:
                 self._reader, self._writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.host, self.port), CHANNEL_CONNECT_TIMEOUT_S)
+                    asyncio.open_connection(self.host, self.port), self.connect_timeout)
             except (OSError, asyncio.TimeoutError) as e:
                 raise ChannelUnreachable(f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
         self._writer.write(frame(request.SerializeToString()))
@@ -151,6 +152,7 @@ class ModelServer:
         self._channel_off = False
         self._failed_since_info = False
         self._call = None
+        self._stale = False  # an Info named another channel: the next step opens a new call
 
     @property
     def transport(self) -> str:
@@ -160,7 +162,9 @@ class ModelServer:
     async def info(self, timeout: float = 5.0) -> pb.ModelInfo:
         info = await self.stub.Info(pb.InfoRequest(), timeout=timeout)
         if info.step_port != self.step_port:  # a server restarted on another port, or with none
-            self.reset()
+            # Not reset() here: a step may be in flight on the call (over gRPC after the old port
+            # refused), and cancelling it would fail that step for nothing. The next step reopens.
+            self._stale = True
             self.step_port = info.step_port
             self._channel_off = False
         elif self._failed_since_info:
@@ -204,24 +208,36 @@ class ModelServer:
         return response
 
     async def _step(self, request, timeout: float | None):
+        if self._stale:
+            self._stale = False
+            self.reset()
         if self._call is not None and self._call.done():
             # Ended between steps (e.g. the connection dropped while idle): no request was in
             # flight, so a new stream loses nothing (a server that lost sequences says NOT_FOUND).
             self._call = None
         if self._call is None:
-            self._call = self._new_call()
+            self._call = self._new_call(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
-            response = await asyncio.wait_for(self._exchange(request), timeout)
-        except ChannelUnreachable as e:
-            self.reset()
-            self._channel_off = True
-            log.warning("%s server's step channel unreachable (%s): stepping over gRPC", self.role, e)
-            self._call = self._new_call()
-            try:  # the request never left: the same one over gRPC
+            try:
                 response = await asyncio.wait_for(self._exchange(request), timeout)
-            except BaseException:
+            except ChannelUnreachable as e:
                 self.reset()
-                raise
+                self._channel_off = True
+                log.warning("%s server's step channel unreachable (%s): stepping over gRPC", self.role, e)
+                self._call = self._new_call(timeout)
+                # The request never left: the same one over gRPC, in what is left of the step's time.
+                left = None if deadline is None else max(deadline - loop.time(), 0.0)
+                response = await asyncio.wait_for(self._exchange(request), left)
+        except asyncio.CancelledError:
+            self.reset()
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation
+            # The call was cancelled under the step (not by its caller): a failed step the loop
+            # handles, never a CancelledError that would end the loop's task.
+            raise StreamBroken(f"{self.role} server's step call was cancelled") from None
         except BaseException:
             self.reset()
             raise
@@ -233,9 +249,12 @@ class ModelServer:
             raise StreamBroken(f"{self.role} server answered step {response.step} to step {request.step}")
         return response
 
-    def _new_call(self):
+    def _new_call(self, timeout: float | None = None):
         if self.transport == "channel":
-            return ChannelCall(self._channel_host, self.step_port, self._response_cls)
+            # A channel that takes no connection is given up in time for gRPC to serve the step
+            # within its timeout: half of it at most.
+            connect = CHANNEL_CONNECT_TIMEOUT_S if timeout is None else min(CHANNEL_CONNECT_TIMEOUT_S, timeout / 2)
+            return ChannelCall(self._channel_host, self.step_port, self._response_cls, connect)
         return self.stub.Propose() if self.role == "draft" else self.stub.Verify()
 
     async def _exchange(self, request):
