@@ -67,6 +67,7 @@ class StepChannel:
         self.servicer = servicer
         self._server: asyncio.Server | None = None
         self._busy: dict[asyncio.Task, list[bool]] = {}  # connection -> [a step in flight]
+        self._closing = False  # close() began: connections take no new step
 
     async def start(self, host: str, port: int) -> int:
         """Listens; returns the port."""
@@ -76,13 +77,19 @@ class StepChannel:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         busy = self._busy[asyncio.current_task()] = [False]
         try:
-            await serve_connection(self.servicer, reader, writer, busy)
+            await serve_connection(self.servicer, reader, writer, busy, lambda: self._closing)
+        except asyncio.CancelledError:
+            # close() dropped the connection. Ended normally: on Python 3.11 asyncio's callback
+            # for start_server's tasks reads task.exception() and logs a cancelled task as an
+            # ERROR with a traceback, once per connection at every shutdown.
+            pass
         finally:
             self._busy.pop(asyncio.current_task(), None)
 
     async def close(self, grace: float) -> None:
         if self._server is None:
             return
+        self._closing = True
         self._server.close()
         for task, busy in list(self._busy.items()):
             if not busy[0]:
@@ -95,8 +102,9 @@ class StepChannel:
 
 
 async def serve_connection(servicer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           busy: list[bool] | None = None) -> None:
-    """Serves one connection's steps until it closes; busy[0] says whether a step is in flight."""
+                           busy: list[bool] | None = None, closing=lambda: False) -> None:
+    """Serves one connection's steps until it closes, or until closing() says the server is shutting
+    down once a step is answered; busy[0] says whether a step is in flight."""
     request_cls = servicer.request_cls
     busy = busy if busy is not None else [False]
     refused: list[str] = []  # why the request stream ended early, where it was the peer's fault
@@ -104,6 +112,8 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
     async def requests():
         while True:
             busy[0] = False
+            if closing():  # shutting down: the step in flight was answered, no new one is taken
+                return
             try:
                 kind, payload = await read_frame(reader)
             except asyncio.IncompleteReadError as e:
@@ -134,6 +144,10 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             servicer.runtime.metrics.count_error("INVALID_ARGUMENT")
             log.info("step channel: INVALID_ARGUMENT %s; closing the connection", refused[0])
             writer.write(frame(f"INVALID_ARGUMENT: {refused[0]}".encode(), FRAME_ERROR))
+    except FrameError as e:  # an answer over the frame limit: what gRPC says of an oversized message
+        servicer.runtime.metrics.count_error("RESOURCE_EXHAUSTED")
+        log.info("step channel: RESOURCE_EXHAUSTED %s", e)
+        writer.write(frame(f"RESOURCE_EXHAUSTED: {e}".encode(), FRAME_ERROR))
     except ConnectionError:  # the coordinator went away mid-answer: nothing to answer
         pass
     except Exception as e:  # the step failed as a whole: what the gRPC stream would end with
