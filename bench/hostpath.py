@@ -19,7 +19,10 @@ e2e.py reports "transport" per step: the coordinator's step time minus both serv
   statistics); and of it, what lies on the step's critical path: against servers that take 2 ms
   a call, the loop's time between a Verify's answer and the next Verify's request less the
   Propose call (what waits for servers meanwhile, as the statistics and the client streams do,
-  is off the path).
+  is off the path);
+- server Python: a step through the target's and the draft's servicer step functions with the model
+  forward replaced by constant logits (server_python_us): conversion, validation, admission,
+  batch preparation, acceptance and results, on the CPU path.
 Medians over --steps steps after a warm-up. Writes bench/results/hostpath.json.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -104,6 +108,9 @@ async def serve_echo(port: int, spinning: bool = False) -> None:
 async def bare_rtt(address: str, batch: int, steps: int, spinning: bool = False) -> float:
     spinner = asyncio.get_running_loop().create_task(spin()) if spinning else None
     async with grpc.aio.insecure_channel(address) as channel:
+        # The echo process may still be starting: a stream opened before it listens ends at once
+        # ("RPC already finished" at the first write).
+        await asyncio.wait_for(channel.channel_ready(), 30)
         call = pb_grpc.TargetStub(channel).Verify()
         samples = []
         for i in range(steps):
@@ -230,15 +237,72 @@ async def loop_step_us(batch: int, steps: int, delay: float = 0.0) -> float:
     return median_us([b - a for a, b in zip(stamps, stamps[1:])])
 
 
+# --- a server's Python per step -----------------------------------------------------------------
+PYTHON_SHAPE = dict(TINY_TARGET, vocab_size=256)  # a vocabulary small enough that the CPU argmax is nothing
+
+
+def server_python_us(role: str, batch: int, steps: int) -> float:
+    """Host microseconds of one step through a servicer's step function (pb request -> engine ->
+    pb response: conversion, validation, admission, batch preparation, acceptance, results) with
+    the model forward replaced by constant logits: the Python a server adds to a step. On the CPU
+    the runner prepares eager batches and the draft loops over its positions (the GPU stages a
+    graph and chains them), so those parts are the CPU path's."""
+    import torch
+    from draft_server.servicer import propose
+    from specdec.config import EngineConfig
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.target import TargetEngine
+    from target_server.servicer import verify
+
+    folder = write_shape_folder(Path(tempfile.mkdtemp(prefix="hostpath-py-")) / "m", PYTHON_SHAPE, dtype="float32")
+    config = EngineConfig(model=folder, random_weights=True, max_model_len=4096, num_blocks=4096)
+    engine = (TargetEngine if role == "target" else DraftEngine)(config)
+    vocab = PYTHON_SHAPE["vocab_size"]
+    engine.runner.forward = lambda b: torch.zeros(b.logits_indices.numel(), vocab)
+    step_fn = verify if role == "target" else propose
+
+    def request(step: int, first: bool):
+        ids = pack_ids([5, 6, 7, 8] if first else [TOKEN % vocab])
+        if role == "target":
+            r = pb.VerifyRequest(step=step)
+            for j in range(batch):
+                r.seqs.add(seq_id=j, new_tokens=ids, draft_tokens=b"" if first else pack_ids([0] * GAMMA),
+                           sampling=pb.SamplingParams(seed=j), first=first)
+        else:
+            r = pb.ProposeRequest(step=step)
+            for j in range(batch):
+                r.seqs.add(seq_id=j, new_tokens=ids, keep=0 if first else GAMMA, num_draft=GAMMA,
+                           sampling=pb.SamplingParams(seed=j), first=first)
+        return r
+    samples = []
+    for i in range(steps):
+        if i % 100 == 0:  # short sequences: release and start them again
+            engine.release(range(batch))
+            step_fn(engine, request(i, True))
+            continue
+        req = request(i, False)
+        t0 = time.perf_counter()
+        step_fn(engine, req)
+        samples.append(time.perf_counter() - t0)
+    return median_us(samples)
+
+
 def loop_rows(batches: list[int], steps: int) -> list[dict]:
+    """The coordinator's loop and the servers' Python per step, per batch size."""
     return [{"batch": b, "loop_step_us": asyncio.run(loop_step_us(b, steps)),
-             "loop_critical_us": asyncio.run(loop_step_us(b, steps, delay=SERVER_DELAY_S))} for b in batches]
+             "loop_critical_us": asyncio.run(loop_step_us(b, steps, delay=SERVER_DELAY_S)),
+             "target_python_us": server_python_us("target", b, steps),
+             "draft_python_us": server_python_us("draft", b, steps)} for b in batches]
 
 
 def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
-    """The loop's figures of this checkout (B) against the commit `baseline` (A), in alternating
-    passes of fresh processes: A runs from a temporary git worktree of that commit, with this
-    checkout's bench scripts copied in (the same measurement over the other coordinator)."""
+    """The loop's and the servers' Python figures of this checkout (B) against the commit
+    `baseline` (A): A runs from a temporary git worktree of that commit, with this checkout's bench
+    scripts copied in (the same measurement over the other code). Each pass runs A and B at the
+    same time, one process each (single-threaded: one core each on a 2-core host), so both see the
+    host in the same state: on these VMs a process's speed can halve from one run to the next,
+    which alternating passes do not cancel. Each pass gives a B / A ratio; the table's ratio is
+    their median."""
     given = Path(baseline).is_dir()
     if given:  # a folder holding the baseline's packages (where there is no git history to check out)
         tree = Path(baseline).resolve()
@@ -247,30 +311,39 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
     try:
         (tree / "bench").mkdir(exist_ok=True)
-        for name in ("hostpath.py", "common.py", "services.py"):
+        for name in ("hostpath.py", "common.py", "services.py"):  # (the packages are the baseline's)
             (tree / "bench" / name).write_bytes((ROOT / "bench" / name).read_bytes())
         if not (tree / "models").exists():
             (tree / "models").symlink_to(ROOT / "models")
         args = ["--loop-only", "--steps", str(steps), "--batches", *map(str, batches)]
         runs: dict[str, list[list[dict]]] = {"A": [], "B": []}
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         for i in range(passes):
-            for side, root in (("A", tree), ("B", ROOT)):
-                out = subprocess.run([sys.executable, str(root / "bench" / "hostpath.py"), *args],
-                                     check=True, capture_output=True, text=True, cwd=root).stdout
+            sides = [("A", tree), ("B", ROOT)][::1 if i % 2 == 0 else -1]   # who starts first alternates
+            procs = {side: subprocess.Popen([sys.executable, str(root / "bench" / "hostpath.py"), *args],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            cwd=root, env=env) for side, root in sides}
+            for side, proc in procs.items():
+                out, err = proc.communicate()
+                if proc.returncode:
+                    raise RuntimeError(f"side {side} failed:\n{err[-2000:]}")
                 runs[side].append(json.loads(out.strip().splitlines()[-1]))
-                print(f"pass {i + 1} {side}: {runs[side][-1]}", flush=True)
+            print(f"pass {i + 1}: A {runs['A'][-1]}\n        B {runs['B'][-1]}", flush=True)
     finally:
         if not given:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     rows = []
     for j, b in enumerate(batches):
         row = {"batch": b}
-        for key in ("loop_step_us", "loop_critical_us"):
+        for key in ("loop_step_us", "loop_critical_us", "target_python_us", "draft_python_us"):
             for side in ("A", "B"):
                 vals = [r[j][key] for r in runs[side]]
                 row[f"{key}_{side.lower()}_values"] = vals
                 row[f"{key}_{side.lower()}"] = statistics.median(vals)
-            row[f"{key}_ratio"] = row[f"{key}_b"] / row[f"{key}_a"]
+                row[f"{key}_{side.lower()}_best"] = min(vals)
+            row[f"{key}_ratio_values"] = [b / a for a, b in zip(row[f"{key}_a_values"], row[f"{key}_b_values"])]
+            row[f"{key}_ratio"] = statistics.median(row[f"{key}_ratio_values"])   # paired, per pass
+            row[f"{key}_best_ratio"] = row[f"{key}_b_best"] / row[f"{key}_a_best"]
         rows.append(row)
     commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").exists() else baseline
     if not given:
@@ -279,10 +352,15 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
     result = {"benchmark": "hostpath_loop_ab", "environment": environment(), "baseline": commit,
               "b": "this checkout", "passes": passes, "steps": steps, "gamma": GAMMA, "rows": rows}
     path = write_result("hostpath_loop_ab", result)
-    print(table(rows, [("batch", "batch", "d"), ("loop_step_us_a", f"loop us A ({commit})", ".0f"),
-                       ("loop_step_us_b", "loop us B", ".0f"), ("loop_step_us_ratio", "B / A", ".2f"),
-                       ("loop_critical_us_a", "critical us A", ".0f"), ("loop_critical_us_b", "critical us B", ".0f"),
-                       ("loop_critical_us_ratio", "B / A", ".2f")]))
+    names = {"loop_step_us": "loop", "loop_critical_us": "critical", "target_python_us": "target py",
+             "draft_python_us": "draft py"}
+    columns = [("batch", "batch", "d")]
+    for key, name in names.items():
+        columns += [(f"{key}_a", f"{name} us A", ".0f"), (f"{key}_b", f"{name} us B", ".0f"),
+                    (f"{key}_ratio", "B/A", ".2f")]
+    print(f"A = {commit}, B = this checkout, side by side in each of {passes} passes: medians, and the "
+          "median of the passes' B / A")
+    print(table(rows, columns))
     print(f"wrote {path}")
     return 0
 
@@ -291,9 +369,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--baseline", help="a commit, or a folder with a commit's coordinator, protos and specdec "
-                    "(its COMMIT file names it): only the loop's figures, this checkout against that "
-                    "commit's coordinator in alternating passes (writes results/hostpath_loop_ab.json)")
+    ap.add_argument("--baseline", help="a commit, or a folder with a commit's coordinator, protos, specdec, "
+                    "draft_server and target_server (its COMMIT file names it): only the loop's and the "
+                    "servers' Python figures, this checkout against that commit in alternating passes "
+                    "(writes results/hostpath_loop_ab.json)")
     ap.add_argument("--passes", type=int, default=4, help="with --baseline: passes per side")
     ap.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)  # one pass, JSON out
     ap.add_argument("--serve-echo", type=int, help=argparse.SUPPRESS)  # the bare echo process
@@ -303,6 +382,8 @@ def main() -> int:
         asyncio.run(serve_echo(a.serve_echo, a.spinning))
         return 0
     if a.loop_only:
+        import torch
+        torch.set_num_threads(1)  # one core per side (loop_ab runs two at once)
         print(json.dumps(loop_rows(a.batches, a.steps + WARMUP)))
         return 0
     if a.baseline:
@@ -343,7 +424,9 @@ def main() -> int:
                        ("stack_over_bare_us", "our stack over bare us", ".0f"),
                        ("server_host_us", "server host in step us", ".0f"),
                        ("loop_step_us", "coordinator loop us/step", ".0f"),
-                       ("loop_critical_us", "of it between server calls", ".0f")]))
+                       ("loop_critical_us", "of it between server calls", ".0f"),
+                       ("target_python_us", "target Python us/step", ".0f"),
+                       ("draft_python_us", "draft Python us/step", ".0f")]))
     print(f"wrote {path}")
     return 0
 

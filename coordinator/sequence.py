@@ -89,8 +89,9 @@ class Chunk:
             self._seq._render_through(self)
         return self._text
 
-    def __repr__(self) -> str:
-        return f"Chunk({self.text!r}, {self.token_ids!r}, {self.finish!r})"
+    def __repr__(self) -> str:  # no rendering as a side effect (a log line must not detokenize)
+        text = "<not rendered>" if self._text is None else repr(self._text)
+        return f"Chunk({text}, {self.token_ids!r}, {self.finish!r})"
 
 
 @dataclass

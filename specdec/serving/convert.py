@@ -24,9 +24,22 @@ class FieldError(ValueError):
     sequence (`draft_probs.values: ...`)."""
 
 
+# Validated SamplingParams by their wire values: a sequence sends the same ones with every step,
+# and building one (its checks) cost more than the rest of its conversion. Frozen, so shared;
+# cleared when full; values that fail the checks are never stored.
+_SAMPLING: dict[tuple, SamplingParams] = {}
+_SAMPLING_MAX = 4096
+
+
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                          min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None)
+    key = (msg.temperature, msg.top_k, msg.top_p, msg.min_p, msg.seed if msg.HasField("seed") else None)
+    params = _SAMPLING.get(key)
+    if params is None:
+        params = SamplingParams(*key)
+        if len(_SAMPLING) >= _SAMPLING_MAX:
+            _SAMPLING.clear()
+        _SAMPLING[key] = params
+    return params
 
 
 def probs_from_pb(msg: pb.Probs, max_vocab: int, expected_rows: int) -> torch.Tensor | SparseWeights | None:

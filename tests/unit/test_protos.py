@@ -65,3 +65,32 @@ def test_token_ids_pack_as_little_endian_int32_at_every_size():
             pack_ids([1, bad])
     with pytest.raises(WireError, match="^new_tokens: 5 bytes"):
         unpack_ids(b"\0" * 5, "new_tokens")
+
+
+def test_sampling_conversion_is_cached_only_for_valid_values():
+    """convert.sampling_from_pb keeps validated SamplingParams by their wire values: equal messages
+    give the same (frozen) object, any differing field another; invalid values raise every time
+    and are never kept; the cache empties when full."""
+    import pytest
+    from protos import specdec_pb2 as pb
+    from specdec.sampling.params import SamplingParams, SamplingParamsError
+    from specdec.serving import convert
+
+    convert._SAMPLING.clear()
+    a = convert.sampling_from_pb(pb.SamplingParams(temperature=0.5, top_k=5, seed=3))
+    assert a == SamplingParams(0.5, 5, 1.0, 0.0, 3) and not a.greedy
+    assert convert.sampling_from_pb(pb.SamplingParams(temperature=0.5, top_k=5, seed=3)) is a
+    others = [pb.SamplingParams(temperature=0.5, top_k=5, seed=4), pb.SamplingParams(temperature=0.5, top_k=5),
+              pb.SamplingParams(temperature=0.5, top_k=6, seed=3), pb.SamplingParams(top_k=5, seed=3)]
+    got = [convert.sampling_from_pb(m) for m in others]
+    assert all(g is not a for g in got) and got[1].seed is None and got[3].greedy
+    for bad in (pb.SamplingParams(temperature=-1.0), pb.SamplingParams(top_p=1.5),
+                pb.SamplingParams(temperature=float("nan"))):
+        for _ in range(2):
+            with pytest.raises(SamplingParamsError):
+                convert.sampling_from_pb(bad)
+    assert all(p.temperature >= 0 and p.top_p <= 1 for p in convert._SAMPLING.values())
+    assert len(convert._SAMPLING) == 5
+    for seed in range(convert._SAMPLING_MAX + 10):
+        convert.sampling_from_pb(pb.SamplingParams(seed=seed))
+    assert len(convert._SAMPLING) <= convert._SAMPLING_MAX
