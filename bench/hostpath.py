@@ -313,8 +313,11 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
         (tree / "bench").mkdir(exist_ok=True)
         for name in ("hostpath.py", "common.py", "services.py"):  # (the packages are the baseline's)
             (tree / "bench" / name).write_bytes((ROOT / "bench" / name).read_bytes())
-        if not (tree / "models").exists():
-            (tree / "models").symlink_to(ROOT / "models")
+        models = tree / "models"
+        if models.is_symlink() and not models.exists():  # a link made on another machine (carried)
+            models.unlink()
+        if not models.exists():
+            models.symlink_to(ROOT / "models")
         args = ["--loop-only", "--steps", str(steps), "--batches", *map(str, batches)]
         runs: dict[str, list[list[dict]]] = {"A": [], "B": []}
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

@@ -1,0 +1,31 @@
+"""bench/hostpath.py's host-path measurements on this CPU: the critical-path arithmetic, and the
+loop and the servers' Python steps running for real (few steps: the plumbing, not the figures)."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # the benchmarks are scripts: `common` is top-level
+
+import hostpath  # noqa: E402
+
+
+def test_critical_path_is_the_time_between_target_entries_outside_the_calls():
+    # step k: target call [10k, 10k+4), draft call [10k+6, 10k+7): 5 units outside per step
+    calls = []
+    for k in range(hostpath.WARMUP * 3):
+        calls += [("target", 10.0 * k, 10.0 * k + 4), ("draft", 10.0 * k + 6, 10.0 * k + 7)]
+    assert abs(hostpath.critical_us(calls) - 5e6) < 1e-3
+    calls[2 * 100] = ("target", 1000.0, 1009.0)   # one longer target call: the median does not move
+    assert abs(hostpath.critical_us(calls) - 5e6) < 1e-3
+
+
+def test_the_loop_and_the_servers_python_run_and_take_time():
+    steps = 30
+    whole = asyncio.run(hostpath.loop_step_us(2, steps))
+    critical = asyncio.run(hostpath.loop_step_us(2, steps, delay=0.001))
+    assert 0 < whole < 1e5 and 0 < critical < 1e5
+    for role in ("target", "draft"):
+        assert 0 < hostpath.server_python_us(role, 2, steps) < 1e5
