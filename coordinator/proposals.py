@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from protos import specdec_pb2 as pb
-from protos.wire import WireError, sparse_positions, unpack_ids
+from protos.wire import WireError, outside_vocab, sparse_positions, unpack_ids
 
 _DENSE = (pb.PROBS_ENCODING_DENSE_FP16, pb.PROBS_ENCODING_DENSE_BF16)
 
@@ -35,7 +35,7 @@ def checked_proposal(r: pb.DraftResult, seq_id: int, num_draft: int, vocab_size:
         raise BadProposal(str(e)) from None
     if len(tokens) != num_draft:
         raise BadProposal(f"{len(tokens)} tokens for num_draft {num_draft}")
-    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    bad = outside_vocab(tokens, vocab_size)
     if bad is not None:
         raise BadProposal(f"token id {bad} outside the vocabulary 0..{vocab_size - 1}")
     has_probs = r.HasField("probs") and r.probs.encoding != pb.PROBS_ENCODING_UNSPECIFIED

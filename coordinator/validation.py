@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from coordinator.sequence import GenParams, Sampling
 from coordinator.tokenizer import TextTokenizer
 from protos import specdec_pb2 as pb
-from protos.wire import GREEDY_BELOW_TEMPERATURE
+from protos.wire import GREEDY_BELOW_TEMPERATURE, outside_vocab
 
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
@@ -31,7 +31,7 @@ class Limits:
 
 
 def _check_ids(ids, vocab_size: int, field: str) -> None:
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    bad = outside_vocab(ids, vocab_size)
     if bad is not None:
         raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}")
 

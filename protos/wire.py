@@ -37,6 +37,14 @@ def pack_ids(ids: Sequence[int]) -> bytes:
         raise OverflowError(f"token ids: {e}") from None
 
 
+def outside_vocab(ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first id not in 0..vocab_size-1, or None. min / max first (in C): a prompt of thousands
+    of ids checks in microseconds, where a Python loop over them took a millisecond."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    return next(t for t in ids if not 0 <= t < vocab_size)
+
+
 def unpack_ids(data: bytes, field: str = "token ids") -> list[int]:
     if len(data) % 4:
         raise WireError(f"{field}: {len(data)} bytes is not a whole number of int32 token ids")

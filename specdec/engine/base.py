@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protos.wire import outside_vocab
 from specdec.config import (DEFAULT_GRAPH_PREFILL_LENS, CacheConfig, ConfigError, EngineConfig, ModelConfig,
                             rank_devices)
 from specdec.kv_cache import KVCache
@@ -181,9 +182,7 @@ class ModelEngine:
 
     # --- validation --------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], field: str) -> None:
-        if not tokens or (min(tokens) >= 0 and max(tokens) < self.vocab_size):
-            return  # min / max in C: a prompt of thousands of ids checks in microseconds
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        bad = outside_vocab(tokens, self.vocab_size)
         if bad is not None:
             raise SeqFailure(Code.INVALID_ARGUMENT,
                              f"{field}: token id {bad} outside the vocabulary 0..{self.vocab_size - 1}")

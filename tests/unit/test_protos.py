@@ -94,3 +94,11 @@ def test_sampling_conversion_is_cached_only_for_valid_values():
     for seed in range(convert._SAMPLING_MAX + 10):
         convert.sampling_from_pb(pb.SamplingParams(seed=seed))
     assert len(convert._SAMPLING) <= convert._SAMPLING_MAX
+
+
+def test_outside_vocab_names_the_first_id_out_of_range():
+    """The one range check of token ids (coordinator validation and proposals, the engines)."""
+    from protos.wire import outside_vocab
+    assert outside_vocab([], 10) is None and outside_vocab([0, 9, 3], 10) is None
+    assert outside_vocab([3, 10, -1], 10) == 10 and outside_vocab([3, -1, 10], 10) == -1
+    assert outside_vocab(list(range(5000)) + [-7, 5000], 5000) == -7
