@@ -1,7 +1,7 @@
 """Where a step's host time outside the forwards goes: the layers of one RPC, measured apart.
 
     python3 bench/hostpath.py [--batches 1 8] [--steps 400]
-    python3 bench/hostpath.py --baseline COMMIT [--passes 4]   # the loop only, against COMMIT's
+    python3 bench/hostpath.py --baseline COMMIT [--passes 4]   # loop and servers' Python, against COMMIT
 
 e2e.py reports "transport" per step: the coordinator's step time minus both servers' step_seconds
 (1.4-2.3 ms per speculative step on the H200 host, session 5). This splits it, on the host alone
@@ -295,6 +295,11 @@ def loop_rows(batches: list[int], steps: int) -> list[dict]:
              "draft_python_us": server_python_us("draft", b, steps)} for b in batches]
 
 
+# loop_rows' figures, as loop_ab's table names them
+LOOP_FIGURES = {"loop_step_us": "loop", "loop_critical_us": "critical", "target_python_us": "target py",
+                "draft_python_us": "draft py"}
+
+
 def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
     """The loop's and the servers' Python figures of this checkout (B) against the commit
     `baseline` (A): A runs from a temporary git worktree of that commit, with this checkout's bench
@@ -306,7 +311,10 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
     given = Path(baseline).is_dir()
     if given:  # a folder holding the baseline's packages (where there is no git history to check out)
         tree = Path(baseline).resolve()
+        commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").exists() else baseline
     else:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", baseline], capture_output=True,
+                                text=True, check=True).stdout.strip()
         tree = Path(tempfile.mkdtemp(prefix="hostpath-base-")) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
     try:
@@ -338,7 +346,7 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
     rows = []
     for j, b in enumerate(batches):
         row = {"batch": b}
-        for key in ("loop_step_us", "loop_critical_us", "target_python_us", "draft_python_us"):
+        for key in LOOP_FIGURES:
             for side in ("A", "B"):
                 vals = [r[j][key] for r in runs[side]]
                 row[f"{key}_{side.lower()}_values"] = vals
@@ -348,17 +356,11 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
             row[f"{key}_ratio"] = statistics.median(row[f"{key}_ratio_values"])   # paired, per pass
             row[f"{key}_best_ratio"] = row[f"{key}_b_best"] / row[f"{key}_a_best"]
         rows.append(row)
-    commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").exists() else baseline
-    if not given:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", baseline], capture_output=True,
-                                text=True).stdout.strip()
     result = {"benchmark": "hostpath_loop_ab", "environment": environment(), "baseline": commit,
               "b": "this checkout", "passes": passes, "steps": steps, "gamma": GAMMA, "rows": rows}
     path = write_result("hostpath_loop_ab", result)
-    names = {"loop_step_us": "loop", "loop_critical_us": "critical", "target_python_us": "target py",
-             "draft_python_us": "draft py"}
     columns = [("batch", "batch", "d")]
-    for key, name in names.items():
+    for key, name in LOOP_FIGURES.items():
         columns += [(f"{key}_a", f"{name} us A", ".0f"), (f"{key}_b", f"{name} us B", ".0f"),
                     (f"{key}_ratio", "B/A", ".2f")]
     print(f"A = {commit}, B = this checkout, side by side in each of {passes} passes: medians, and the "
