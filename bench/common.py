@@ -225,3 +225,40 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     for r in rows:
         lines.append(" | ".join(format(r.get(k), f) if r.get(k) is not None else "-" for k, _, f in columns))
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def baseline_tree(baseline: str):
+    """Yields (folder, commit): another commit's packages with this checkout's bench scripts copied
+    in, so a benchmark can run the same measurement over that code (an A/B across commits).
+    `baseline` is a commit (checked out as a temporary git worktree, removed afterwards) or a
+    folder holding a commit's coordinator, protos, specdec, draft_server and target_server and a
+    COMMIT file naming it (the device has no git history: `git archive C coordinator protos
+    specdec draft_server target_server | tar -x -C DIR`, carried)."""
+    import shutil
+    import subprocess
+    import tempfile
+    given = Path(baseline).is_dir()
+    if given:
+        tree = Path(baseline).resolve()
+        commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").exists() else baseline
+    else:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", baseline], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        tree = Path(tempfile.mkdtemp(prefix="specdec-base-")) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
+    try:
+        bench = tree / "bench"
+        bench.mkdir(exist_ok=True)
+        for script in (ROOT / "bench").glob("*.py"):  # the packages stay the baseline's
+            (bench / script.name).write_bytes(script.read_bytes())
+        shutil.copytree(ROOT / "bench" / "data", bench / "data", dirs_exist_ok=True)
+        models = tree / "models"
+        if models.is_symlink() and not models.exists():  # a link made on another machine (carried)
+            models.unlink()
+        if not models.exists():
+            models.symlink_to(ROOT / "models")
+        yield tree, commit
+    finally:
+        if not given:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)

@@ -5,6 +5,11 @@ by more than most changes do.
     python3 bench/e2e_ab.py --passes 3 --b-args=--draft-args=--no-sampled-chains -- \\
         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100
     python3 bench/e2e_ab.py --passes 3 --b-env SPECDEC_DRAFT_DEVICE_SPARSE=0 -- --sections 7b ...
+    python3 bench/e2e_ab.py --passes 3 --a-code 0fb5329 -- --sections 7b --drafts llama-68m
+
+--a-code runs side A over another commit's packages (a commit, or a folder made with git archive
+where there is no git history: common.baseline_tree) with this checkout's bench scripts, and
+without --a-args / --a-env the same arguments as B: this checkout against that commit.
 
 Arguments after `--` go to every pass; --a-args / --b-args (one string each) and --a-env / --b-env
 (NAME=VALUE, repeatable) to one side. Each pass is its own e2e.py process (fresh servers). Rows are
@@ -14,6 +19,7 @@ was; every pass's rows go into bench/results/e2e_ab.json with the medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -22,7 +28,9 @@ import subprocess
 import sys
 import time
 
-from common import ROOT, environment, table, write_result
+from pathlib import Path
+
+from common import ROOT, baseline_tree, environment, table, write_result
 
 # What is compared per row (e2e.py's keys) and how the table names them.
 METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", ".0f"),
@@ -32,9 +40,9 @@ METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", "
 RESULTS = ROOT / "bench" / "results"
 
 
-def result_file(args: list[str]):
-    """Where e2e.py with these arguments writes its rows."""
-    return RESULTS / ("e2e_smoke.json" if "--smoke" in args else "e2e.json")
+def result_file(args: list[str], root: Path = ROOT) -> Path:
+    """Where e2e.py with these arguments, run from the checkout `root`, writes its rows."""
+    return root / "bench" / "results" / ("e2e_smoke.json" if "--smoke" in args else "e2e.json")
 
 
 def row_key(row: dict) -> tuple:
@@ -64,12 +72,13 @@ def summarize(passes: dict[str, list[list[dict]]]) -> list[dict]:
     return out
 
 
-def run_pass(args: list[str], env: dict[str, str], timeout: float) -> tuple[list[dict], float, int]:
-    """One e2e.py process: its rows (none if it wrote no new result), seconds, return code."""
-    out = result_file(args)
+def run_pass(args: list[str], env: dict[str, str], timeout: float, root: Path = ROOT) -> tuple[list[dict], float, int]:
+    """One e2e.py process of the checkout `root`: its rows (none if it wrote no new result), seconds,
+    return code."""
+    out = result_file(args, root)
     before = out.stat().st_mtime_ns if out.exists() else None
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(root / "bench" / "e2e.py"), *args], cwd=root,
                           env={**os.environ, **env}, timeout=timeout)
     fresh = out.exists() and out.stat().st_mtime_ns != before
     rows = json.loads(out.read_text()).get("rows", []) if fresh else []
@@ -96,40 +105,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--b-args", default="", help="e2e.py arguments of side B only, one string")
     ap.add_argument("--a-env", action="append", default=[], help="NAME=VALUE for side A's processes")
     ap.add_argument("--b-env", action="append", default=[], help="NAME=VALUE for side B's processes")
+    ap.add_argument("--a-code", help="side A runs over this commit's (or folder's) packages")
     ap.add_argument("--pass-timeout", type=float, default=300.0, help="seconds one e2e.py pass may take")
     a = ap.parse_args(own)
     sides = {"A": (common + shlex.split(a.a_args), parse_env(a.a_env)),
              "B": (common + shlex.split(a.b_args), parse_env(a.b_env))}
-    if sides["A"] == sides["B"]:
+    if sides["A"] == sides["B"] and not a.a_code:
         raise SystemExit("e2e_ab: sides A and B are the same configuration")
-    outs = {result_file(args) for args, _ in sides.values()}
+    with contextlib.ExitStack() as stack:
+        roots = {"A": ROOT, "B": ROOT}
+        code = {"A": "this checkout", "B": "this checkout"}
+        if a.a_code:
+            roots["A"], code["A"] = stack.enter_context(baseline_tree(a.a_code))
+        passes, log = run_passes(sides, roots, a.passes, a.pass_timeout)
+    summary = summarize(passes)
+    result = {"benchmark": "e2e_ab", "environment": environment(), "common_args": common,
+              "a": {"args": sides["A"][0], "env": sides["A"][1], "code": code["A"]},
+              "b": {"args": sides["B"][0], "env": sides["B"][1], "code": code["B"]},
+              "passes": a.passes, "summary": summary, "log": log}
+    path = write_result("e2e_ab", result)
+    cols = [("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d")]
+    for m, name, fmt in METRICS:
+        cols += [(f"{m}_a", f"{name} A", fmt), (f"{m}_b", f"{name} B", fmt), (f"{m}_ratio", "B/A", ".3f")]
+    for side in ("A", "B"):
+        print(f"{side}: {code[side]}: {shlex.join(sides[side][0])} {sides[side][1]}")
+    print(f"medians of {a.passes} alternating passes per side")
+    print(table(summary, cols))
+    print(f"wrote {path}")
+    return 0 if all(entry["returncode"] == 0 for entry in log) else 1
+
+
+def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float) -> tuple[dict, list[dict]]:
+    """n alternating passes (A, B, A, B, ...) of each side's (args, env) from its checkout; the
+    result files they overwrite are put back as they were."""
+    outs = {result_file(args, roots[side]) for side, (args, _) in sides.items()}
     saved = {out: out.read_bytes() for out in outs if out.exists()}
     passes: dict[str, list[list[dict]]] = {"A": [], "B": []}
     log = []
     try:
-        for i in range(a.passes):
+        for i in range(n):
             for side in ("A", "B"):
                 args, env = sides[side]
-                rows, secs, rc = run_pass(args, env, a.pass_timeout)
+                rows, secs, rc = run_pass(args, env, timeout, roots[side])
                 passes[side].append(rows)
                 log.append({"pass": i + 1, "side": side, "seconds": secs, "returncode": rc, "rows": rows})
                 print(f"pass {i + 1} {side}: rc {rc}, {len(rows)} rows, {secs:.0f}s", flush=True)
     finally:
         for out, data in saved.items():
             out.write_bytes(data)
-    summary = summarize(passes)
-    result = {"benchmark": "e2e_ab", "environment": environment(), "common_args": common,
-              "a": {"args": sides["A"][0], "env": sides["A"][1]}, "b": {"args": sides["B"][0], "env": sides["B"][1]},
-              "passes": a.passes, "summary": summary, "log": log}
-    path = write_result("e2e_ab", result)
-    cols = [("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d")]
-    for m, name, fmt in METRICS:
-        cols += [(f"{m}_a", f"{name} A", fmt), (f"{m}_b", f"{name} B", fmt), (f"{m}_ratio", "B/A", ".3f")]
-    print(f"A: {shlex.join(sides['A'][0])} {sides['A'][1]}\nB: {shlex.join(sides['B'][0])} {sides['B'][1]}")
-    print(f"medians of {a.passes} alternating passes per side")
-    print(table(summary, cols))
-    print(f"wrote {path}")
-    return 0 if all(entry["returncode"] == 0 for entry in log) else 1
+    return passes, log
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, environment, table, write_result
+from common import ROOT, baseline_tree, environment, table, write_result
 from services import write_shape_folder
 
 import grpc  # noqa: E402
@@ -308,24 +308,7 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
     host in the same state: on these VMs a process's speed can halve from one run to the next,
     which alternating passes do not cancel. Each pass gives a B / A ratio; the table's ratio is
     their median."""
-    given = Path(baseline).is_dir()
-    if given:  # a folder holding the baseline's packages (where there is no git history to check out)
-        tree = Path(baseline).resolve()
-        commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").exists() else baseline
-    else:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", baseline], capture_output=True,
-                                text=True, check=True).stdout.strip()
-        tree = Path(tempfile.mkdtemp(prefix="hostpath-base-")) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), baseline], check=True)
-    try:
-        (tree / "bench").mkdir(exist_ok=True)
-        for name in ("hostpath.py", "common.py", "services.py"):  # (the packages are the baseline's)
-            (tree / "bench" / name).write_bytes((ROOT / "bench" / name).read_bytes())
-        models = tree / "models"
-        if models.is_symlink() and not models.exists():  # a link made on another machine (carried)
-            models.unlink()
-        if not models.exists():
-            models.symlink_to(ROOT / "models")
+    with baseline_tree(baseline) as (tree, commit):
         args = ["--loop-only", "--steps", str(steps), "--batches", *map(str, batches)]
         runs: dict[str, list[list[dict]]] = {"A": [], "B": []}
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -340,9 +323,6 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
                     raise RuntimeError(f"side {side} failed:\n{err[-2000:]}")
                 runs[side].append(json.loads(out.strip().splitlines()[-1]))
             print(f"pass {i + 1}: A {runs['A'][-1]}\n        B {runs['B'][-1]}", flush=True)
-    finally:
-        if not given:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     rows = []
     for j, b in enumerate(batches):
         row = {"batch": b}
