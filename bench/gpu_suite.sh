@@ -6,7 +6,8 @@
 # Stages: tests (GPU tests except attention), tests-attention, numerics, e2e, e2e-ab (E2E_AB_ARGS:
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
-#         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
+#         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), e2e-trace
+#         (the transport's parts per call: bench/trace_steps.py; TRACE_ARGS, default --drafts llama-68m), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
 #         anatomy, tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
@@ -61,6 +62,11 @@ for s in "$@"; do
       SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \
         --sections 7b --batches-7b ${PROFILE_BATCHES:-1} --deadline "${E2E_DEADLINE:-150}" ${PROFILE_ARGS:-}
       tar czf "$OUT/profiles.tgz" -C /tmp/specdec-profiles . ;;
+    e2e-trace)  # the transport split into its parts (specdec/trace.py stamps, bench/trace_steps.py)
+      rm -rf /tmp/specdec-trace
+      SPECDEC_TRACE_DIR=/tmp/specdec-trace run e2e-trace "${E2E_S:-200}" python3 bench/e2e.py \
+        --sections 7b --deadline "${E2E_DEADLINE:-150}" ${TRACE_ARGS:---drafts llama-68m}
+      run trace-steps 60 python3 bench/trace_steps.py /tmp/specdec-trace; keep trace_steps.json ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
     decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf ${DECODE_SETS:+--sets $DECODE_SETS}

@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.metrics import CoordinatorMetrics
     disable_created_metrics()  # no *_created series: half the exposition, nothing a panel reads
     metrics = CoordinatorMetrics(CollectorRegistry(), max_positions=config.max_num_draft)
+    from specdec import trace
     from specdec.profiling import profile_dir, write_profile
+    trace.start("coordinator")
     profiler = cProfile.Profile() if profile_dir() is not None else None  # the event loop's thread
     try:
         if profiler is not None:

@@ -18,6 +18,7 @@ import grpc
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from protos.wire import FRAME_ERROR, MAX_MESSAGE_BYTES, frame, read_frame
+from specdec import trace
 from specdec.metrics import CoordinatorMetrics
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -67,6 +68,8 @@ class ChannelCall:
         self.connect_timeout = connect_timeout
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._rpc = "Propose" if response_cls is pb.ProposeResponse else "Verify"  # (trace marks)
+        self._step = 0
 
     def done(self) -> bool:
         """Whether the connection is gone (closed here, or by the server between steps)."""
@@ -79,12 +82,19 @@ class ChannelCall:
                     asyncio.open_connection(self.host, self.port), self.connect_timeout)
             except (OSError, asyncio.TimeoutError) as e:
                 raise ChannelUnreachable(f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
+        if trace.enabled:
+            self._step = request.step
+            trace.mark("c_built", self._rpc, request.step, len(request.seqs))
         self._writer.write(frame(request.SerializeToString()))
+        if trace.enabled:
+            trace.mark("c_write", self._rpc, request.step)
         await self._writer.drain()
 
     async def read(self):
         try:
             kind, payload = await read_frame(self._reader)
+            if trace.enabled:
+                trace.mark("c_read", self._rpc, self._step)
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 raise StreamBroken(f"the step channel at {self.host}:{self.port} closed inside a frame") from None
@@ -94,6 +104,8 @@ class ChannelCall:
             raise StepFailed(code, message)
         response = self.response_cls()
         response.ParseFromString(payload)
+        if trace.enabled:
+            trace.mark("c_parsed", self._rpc, self._step)
         return response
 
     def cancel(self) -> None:

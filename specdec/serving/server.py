@@ -27,6 +27,7 @@ from specdec.config import TP_ALL_REDUCE_MODES, ConfigError, EngineConfig, Serve
 from specdec.engine.base import ModelEngine
 from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
+from specdec import trace
 from specdec.profiling import profile_dir, write_profile
 from specdec.serving import step_channel, tensor_parallel
 from specdec.serving.errors import ErrorInterceptor, NotReady
@@ -322,6 +323,7 @@ def main(role: str, make_engine: Callable[[EngineConfig], ModelEngine],
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     disable_created_metrics()  # no *_created series: half the exposition, nothing a panel reads
     metrics = ServerMetrics(CollectorRegistry(), role)
+    trace.start(role)
     try:
         asyncio.run(serve(config, make_engine, add_servicer, service_name, metrics, metrics_port))
     except (ConfigError, CheckpointError) as e:

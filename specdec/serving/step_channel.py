@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 
 from google.protobuf.message import DecodeError
 
 from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FrameError, frame, read_frame
+from specdec import trace
 from specdec.serving.errors import status_of
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
                            busy: list[bool] | None = None, closing=lambda: False) -> None:
     """Serves one connection's steps until it closes, or until closing() says the server is shutting
     down once a step is answered; busy[0] says whether a step is in flight."""
-    request_cls = servicer.request_cls
+    request_cls, rpc = servicer.request_cls, servicer.rpc_name
     busy = busy if busy is not None else [False]
     refused: list[str] = []  # why the request stream ended early, where it was the peer's fault
 
@@ -125,6 +127,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
                 return
             except ConnectionError:  # reset by the peer
                 return
+            read_at = time.perf_counter() if trace.enabled else 0.0
             if kind != FRAME_MESSAGE:
                 refused.append(f"a frame of kind {kind} where a {request_cls.__name__} was due")
                 return
@@ -135,10 +138,17 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
                 refused.append(f"request: not a valid {request_cls.__name__}: {e}")
                 return
             busy[0] = True
+            if trace.enabled:
+                trace.mark("s_read", rpc, request.step, len(request.seqs), at=read_at)
+                trace.mark("s_parsed", rpc, request.step)
             yield request
     try:
         async for response in servicer._steps(requests()):
+            if trace.enabled:
+                trace.mark("s_ready", rpc, response.step)
             writer.write(frame(response.SerializeToString()))
+            if trace.enabled:
+                trace.mark("s_write", rpc, response.step)
             await writer.drain()
         if refused:
             servicer.runtime.metrics.count_error("INVALID_ARGUMENT")

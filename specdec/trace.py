@@ -1,0 +1,50 @@
+"""Opt-in timestamps of each step's way through the processes, for splitting the transport (a
+speculative step's time outside both servers' step_seconds) into its parts: set
+SPECDEC_TRACE_DIR=DIR and the coordinator and each model server record time.perf_counter() at the
+points below, and write them to DIR/<role>-<pid>.json when they exit. On Linux perf_counter is
+CLOCK_MONOTONIC, one clock for every process of a host, so the stamps of the coordinator and of a
+server line up; bench/trace_steps.py joins them by (rpc, step) and prints the median of each part.
+
+Coordinator (per rpc "Propose" / "Verify" and step):  c_write  request serialised and sent;
+    c_read  the answer's frame read;  c_parsed  the answer parsed.
+    c_built  the request built (stamped before serialising; from c_parsed of the other rpc on).
+Server (step channel):  s_read  the request's frame read;  s_parsed  parsed (step_seconds starts);
+    s_ready  the answer built (step_seconds ends);  s_write  serialised and sent.
+
+Off (the default), a mark is one module attribute read at each call site."""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "SPECDEC_TRACE_DIR"
+MAX_EVENTS = 1_000_000  # ~10 per step and rpc: a long run keeps its first 100k steps
+
+enabled = bool(os.environ.get(ENV))
+_events: list[tuple[str, str, int, int, float]] = []  # (point, rpc, step, batch, perf_counter)
+
+
+def mark(point: str, rpc: str, step: int, batch: int = 0, at: float | None = None) -> None:
+    """Records `point` of step `step` of `rpc` now (or at perf_counter time `at`)."""
+    if len(_events) < MAX_EVENTS:
+        _events.append((point, rpc, step, batch, time.perf_counter() if at is None else at))
+
+
+def start(role: str) -> None:
+    """Writes this process's stamps at exit (no-op unless SPECDEC_TRACE_DIR is set)."""
+    if enabled:
+        atexit.register(dump, role)
+
+
+def dump(role: str) -> Path | None:
+    folder = os.environ.get(ENV)
+    if not folder or not _events:
+        return None
+    path = Path(folder) / f"{role}-{os.getpid()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"role": role, "pid": os.getpid(),
+                                "events": [list(e) for e in _events]}))
+    return path
