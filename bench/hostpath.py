@@ -167,8 +167,10 @@ class InstantServer:
     def __init__(self, role: str, delay: float = 0.0, calls: list | None = None):
         self.role, self.delay, self.calls = role, delay, calls
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         entered = time.perf_counter()
+        if on_sent is not None:
+            on_sent()  # (a real server's call: written, then the work for its time)
         await asyncio.sleep(0)  # a real call suspends: the client streams drain meanwhile
         while time.perf_counter() - entered < self.delay:
             await asyncio.sleep(0)  # spins: a loop woken from an idle CPU would add its own noise

@@ -207,19 +207,21 @@ class ModelServer:
         self._observe("Release", t0)
         return response
 
-    async def step(self, request, timeout: float | None = None):
+    async def step(self, request, timeout: float | None = None, on_sent=None):
         """Writes one step request on the persistent stream and reads its response, both within
-        `timeout` seconds (None: no limit); a server that takes longer counts as failed."""
+        `timeout` seconds (None: no limit); a server that takes longer counts as failed.
+        on_sent() runs once the request is written, before the answer is awaited: work for the
+        time the server takes (called again if the request goes again, over gRPC)."""
         t0 = time.perf_counter()
         try:
-            response = await self._step(request, timeout)
+            response = await self._step(request, timeout, on_sent)
         except Exception as e:
             self._failed(e)
             raise
         self._observe(self.rpc, t0)
         return response
 
-    async def _step(self, request, timeout: float | None):
+    async def _step(self, request, timeout: float | None, on_sent=None):
         if self._stale:
             self._stale = False
             self.reset()
@@ -233,7 +235,7 @@ class ModelServer:
         deadline = None if timeout is None else loop.time() + timeout
         try:
             try:
-                response = await asyncio.wait_for(self._exchange(request), timeout)
+                response = await asyncio.wait_for(self._exchange(request, on_sent), timeout)
             except ChannelUnreachable as e:
                 self.reset()
                 self._channel_off = True
@@ -241,7 +243,7 @@ class ModelServer:
                 self._call = self._new_call(timeout)
                 # The request never left: the same one over gRPC, in what is left of the step's time.
                 left = None if deadline is None else max(deadline - loop.time(), 0.0)
-                response = await asyncio.wait_for(self._exchange(request), left)
+                response = await asyncio.wait_for(self._exchange(request, on_sent), left)
         except asyncio.CancelledError:
             self.reset()
             task = asyncio.current_task()
@@ -269,8 +271,10 @@ class ModelServer:
             return ChannelCall(self._channel_host, self.step_port, self._response_cls, connect)
         return self.stub.Propose() if self.role == "draft" else self.stub.Verify()
 
-    async def _exchange(self, request):
+    async def _exchange(self, request, on_sent=None):
         await self._call.write(request)
+        if on_sent is not None:
+            on_sent()
         return await self._call.read()
 
     def _observe(self, rpc: str, t0: float) -> None:

@@ -213,19 +213,20 @@ class SpecLoop:
         if self.pipeline:
             self._take_ahead(plans)
         t0 = time.perf_counter()
-        draft_timing = await self._propose(plans)
+        # The Verify is built while the draft works (once the Propose is written), but for the
+        # drafts; with no Propose to send, here.
+        built: list[pb.VerifyRequest] = []
+        draft_timing = await self._propose(plans, functools.partial(self._verify_request, plans, built))
         t1 = time.perf_counter()
-        sched = self.scheduler
-        request = pb.VerifyRequest(step=self._step_no, release=sorted(sched.release_target))
-        for p in plans:
-            msg = request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_ids(p.target_new),
-                                   draft_tokens=pack_ids(p.drafts), sampling=sampling_pb(p.seq))
-            if p.partial:  # (false flags are not passed: each keyword costs a step at large batches)
-                msg.partial_prefill = True
-            if p.seq.target_first:
-                msg.first = True
+        self._verify_request(plans, built)
+        request = built[0]
+        for p, msg in zip(plans, request.seqs):
+            if p.drafts:
+                msg.draft_tokens = pack_ids(p.drafts)
             if p.probs is not None:
                 msg.draft_probs.CopyFrom(p.probs)  # as received: exactness
+        sched = self.scheduler
+        request.release.extend(sorted(sched.release_target))
         sched.release_target.clear()
         # Pipelined: the draft drafts the next step while the target verifies this one.
         ahead = asyncio.create_task(self._extend(plans, len(seqs))) if self.pipeline and self.draft_up else None
@@ -234,6 +235,21 @@ class SpecLoop:
         finally:
             if ahead is not None and not ahead.done():
                 await ahead  # one request at a time on the draft stream: the next step waits for it
+
+    def _verify_request(self, plans: list[Plan], built: list) -> None:
+        """The step's VerifyRequest without drafts and releases, into `built` (once: it may be
+        called again when the Propose goes again over gRPC). Nothing it reads changes while the
+        draft works: the target's side of a sequence moves only when a Verify's answer is applied."""
+        if built:
+            return
+        request = pb.VerifyRequest(step=self._step_no)
+        for p in plans:
+            msg = request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_ids(p.target_new), sampling=sampling_pb(p.seq))
+            if p.partial:  # (false flags are not passed: each keyword costs a step at large batches)
+                msg.partial_prefill = True
+            if p.seq.target_first:
+                msg.first = True
+        built.append(request)
 
     async def _verify(self, plans: list[Plan], request: pb.VerifyRequest, seqs: list[Sequence],
                       started: float, t0: float, t1: float, draft_timing, ahead) -> None:
@@ -273,8 +289,9 @@ class SpecLoop:
             draft_timing=draft_timing, target_timing=response.timing))
         self.metrics.set_running(len(sched.running))
 
-    async def _propose(self, plans: list[Plan]) -> pb.StepTiming | None:
-        """The draft's part of the step; on return every plan's drafts are set (or num_draft is 0)."""
+    async def _propose(self, plans: list[Plan], on_sent=None) -> pb.StepTiming | None:
+        """The draft's part of the step; on return every plan's drafts are set (or num_draft is 0).
+        on_sent: ModelServer.step's (not called when no Propose goes out)."""
         sched = self.scheduler
         drafting = [p for p in plans if p.num_draft > 0 and not p.ahead]
         if not drafting:
@@ -316,7 +333,7 @@ class SpecLoop:
         sched.release_draft.clear()
         sent = drafting + appending
         try:
-            response = await self.draft.step(request, timeout=self.config.draft_timeout_s)
+            response = await self.draft.step(request, timeout=self.config.draft_timeout_s, on_sent=on_sent)
         except Exception as e:  # whatever the draft does wrong, the step goes on without it
             sched.release_draft.update(request.release)
             self.set_draft_down(_describe(e))

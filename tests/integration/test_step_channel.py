@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from coordinator.launch import free_port, spawn_server, start_healthy, start_process, stop_all
+from coordinator import servers as servers_mod
 from coordinator.servers import ModelServer, StepFailed
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
@@ -229,3 +230,29 @@ def test_an_unreachable_channel_falls_back_to_grpc_without_losing_the_step(targe
             await server.close()
     got, again = asyncio.run(main())
     assert (got.accepted, got.next_token) == (again.accepted, again.next_token)
+
+
+@pytest.mark.parametrize("channel", [True, False])
+def test_on_sent_runs_once_per_request_after_the_write(target, channel, monkeypatch):
+    """ModelServer.step's on_sent (the coordinator builds the Verify in it while the draft works):
+    called once per request that has one, over either transport; over the step channel, after the
+    request went out and before its answer is read."""
+    seen = []
+    real_read = servers_mod.ChannelCall.read
+
+    async def read(self):
+        seen.append("read")
+        return await real_read(self)
+    monkeypatch.setattr(servers_mod.ChannelCall, "read", read)
+
+    async def main():
+        server = ModelServer("target", target.address, step_channel=channel)
+        await server.info()
+        try:
+            response = await server.step(first_step(7), timeout=30, on_sent=lambda: seen.append(server.transport))
+            assert len(response.results) == 1 and not response.results[0].HasField("error")
+            await server.step(pb.VerifyRequest(step=2, release=[7]), timeout=30)   # without one
+        finally:
+            await server.close()
+    asyncio.run(main())
+    assert seen == (["channel", "read", "read"] if channel else ["grpc"])

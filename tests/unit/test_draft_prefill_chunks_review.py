@@ -55,7 +55,7 @@ class StrictDraft(FakeDraft):
         self.firsts: dict[int, int] = {}   # per sequence: how many `first` messages it got
         self._error_for = None
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         kind = self.fault(self, request) if self.fault is not None else None
         if kind == "raise":
             self.requests.append(request)
@@ -125,7 +125,7 @@ class HookedTarget(FakeTarget):
         self.steps = 0
         self.crashes = 0
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         self.steps += 1
         action = self.hook(self, request) if self.hook is not None else None
         if action == "crash":
@@ -698,7 +698,7 @@ class EngineServer(QuietServer):
         self.errors: list[str] = []          # per-sequence errors it answered
         self.forget_next: set[int] = set()   # target: sequences to lose before the next step
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         await asyncio.sleep(0)
         self.requests.append(request)
         engine = self.engine
@@ -753,7 +753,7 @@ def run_engines(engines, tmp_path, specs, *, with_draft=True, hook=None, **confi
         steps = {"n": 0}
         real_step = target.step
 
-        async def step(request, timeout=None):
+        async def step(request, timeout=None, on_sent=None):
             steps["n"] += 1
             for seq, spec in zip(seqs, specs):
                 if spec[3] == steps["n"]:

@@ -250,7 +250,7 @@ class RecordingTarget(FakeTarget):
         self.responses: list[pb.VerifyResponse] = []
         self.forget = dict(forget or {})  # step number -> seq id to drop before answering
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         self.requests.append(pb.VerifyRequest.FromString(request.SerializeToString()))
         victim = self.forget.pop(request.step, None)
         if victim is not None:
@@ -784,7 +784,7 @@ def test_a_step_raising_cancelled_error_fails_the_clients_instead_of_hanging(tok
     class CancellingTarget(FakeTarget):
         calls = 0
 
-        async def step(self, request, timeout=None):
+        async def step(self, request, timeout=None, on_sent=None):
             self.calls += 1
             if self.calls == 3:
                 raise asyncio.CancelledError()

@@ -143,7 +143,7 @@ def run_loop(tmp_path, **config_kw):
         verified, calls = [], []
         target_step, observe = target.step, loop.metrics.observe_step
 
-        async def step(request, timeout=None):
+        async def step(request, timeout=None, on_sent=None):
             response = await target_step(request, timeout)
             verified.append((request, response))
             return response

@@ -161,7 +161,7 @@ class KVTarget(KVServer):
         super()._forget(seq_id)
         self.ctx.pop(seq_id, None)
 
-    async def step(self, request: pb.VerifyRequest, timeout=None) -> pb.VerifyResponse:
+    async def step(self, request: pb.VerifyRequest, timeout=None, on_sent=None) -> pb.VerifyResponse:
         await asyncio.sleep(0)  # a real call suspends
         self.steps += 1
         self.requests.append(request)
@@ -237,7 +237,7 @@ class KVDraft(KVServer):
         super()._forget(seq_id)
         self.states.pop(seq_id, None)
 
-    async def step(self, request: pb.ProposeRequest, timeout=None) -> pb.ProposeResponse:
+    async def step(self, request: pb.ProposeRequest, timeout=None, on_sent=None) -> pb.ProposeResponse:
         await asyncio.sleep(0)
         self.requests.append(request)
         for i in request.release:
@@ -857,7 +857,7 @@ class ScriptedTarget(KVTarget):
         super().__init__(*a, **kw)
         self.script = script or {}
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         for s in request.seqs:
             if self.script.get(s.seq_id) == "lose" and not s.first:
                 self._forget(s.seq_id)
@@ -1022,7 +1022,7 @@ def test_draft_outage_keeps_reservations_and_releases_afterwards(tok):
     class FlakyDraft(KVDraft):
         down = False
 
-        async def step(self, request, timeout=None):
+        async def step(self, request, timeout=None, on_sent=None):
             if self.down:
                 raise rpc_error()
             return await super().step(request, timeout)

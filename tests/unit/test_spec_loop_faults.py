@@ -73,7 +73,7 @@ class FakeTarget(FakeServer):
         self.violations: list[str] = []
         self.accepted = 0
 
-    async def step(self, request: pb.VerifyRequest, timeout=None) -> pb.VerifyResponse:
+    async def step(self, request: pb.VerifyRequest, timeout=None, on_sent=None) -> pb.VerifyResponse:
         await asyncio.sleep(0)  # a real call suspends: other tasks run between steps
         for i in request.release:
             self.held.pop(i, None)
@@ -140,7 +140,7 @@ class FakeDraft(FakeServer):
         self.longest: dict[int, int] = {}  # per sequence: the most tokens it held (KV reservation)
         self.in_flight = 0
 
-    async def step(self, request: pb.ProposeRequest, timeout=None) -> pb.ProposeResponse:
+    async def step(self, request: pb.ProposeRequest, timeout=None, on_sent=None) -> pb.ProposeResponse:
         self.requests.append(request)
         self.in_flight += 1
         try:
@@ -450,7 +450,7 @@ def test_steps_above_spec_max_batch_decode_plainly(tmp_path):
             super().__init__()
             self.batches: list[int] = []
 
-        async def step(self, request, timeout=None):
+        async def step(self, request, timeout=None, on_sent=None):
             self.batches.append(len(request.seqs))
             return await super().step(request, timeout)
 
@@ -493,7 +493,7 @@ class RefusingTarget(FakeTarget):
         super().__init__()
         self.message, self.always, self.refused = message, always, 0
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         bad = set()
         for i, s in enumerate(request.seqs):
             p = s.draft_probs
@@ -558,7 +558,7 @@ def test_prefill_chunk_bounds_the_prompt_tokens_of_a_whole_step(tmp_path):
         loop, sched, target = make_loop(FakeDraft(), prefill_chunk=16)
         fed, real_step = [], target.step
 
-        async def step(request, timeout=None):
+        async def step(request, timeout=None, on_sent=None):
             fed.append({s.seq_id: len(unpack_ids(s.new_tokens)) for s in request.seqs})
             return await real_step(request, timeout)
         target.step = step
@@ -651,7 +651,7 @@ class RestartingTarget(FakeTarget):
         self.back, self.fail_at_step, self.steps = back, fail_at_step, 0
         self.seen_after_restart: list = []  # the sequences of every Verify after the crash
 
-    async def step(self, request, timeout=None):
+    async def step(self, request, timeout=None, on_sent=None):
         self.steps += 1
         if self.steps == self.fail_at_step:
             self.held.clear()

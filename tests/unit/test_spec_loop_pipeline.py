@@ -135,7 +135,7 @@ def test_draft_failing_during_extend_degrades_and_recovers(tmp_path, after_apply
     class FailingOnExtend(FakeDraft):
         failed_at = None
 
-        async def step(self, request: pb.ProposeRequest, timeout=None):
+        async def step(self, request: pb.ProposeRequest, timeout=None, on_sent=None):
             if self.failed_at is None and any(s.extend for s in request.seqs) and len(self.requests) > 3:
                 self.failed_at = len(self.requests)
                 if after_apply:
@@ -146,7 +146,7 @@ def test_draft_failing_during_extend_degrades_and_recovers(tmp_path, after_apply
             return await super().step(request, timeout)
 
     class SlowTarget(FakeTarget):  # 400 steps take longer than the draft's probe (every 50 ms)
-        async def step(self, request, timeout=None):
+        async def step(self, request, timeout=None, on_sent=None):
             await asyncio.sleep(0.001)
             return await super().step(request, timeout)
 
@@ -169,7 +169,7 @@ def test_target_failing_while_an_extension_is_in_flight(tmp_path):
     class FailingOnce(FakeTarget):
         calls = 0
 
-        async def step(self, request, timeout=None):
+        async def step(self, request, timeout=None, on_sent=None):
             self.calls += 1
             if self.calls == 4:
                 raise rpc_error()
@@ -193,7 +193,7 @@ class Chaos(FakeDraft):
         self.fail_p = self.lose_p = 0.0
         self.calls = 0
 
-    async def step(self, request: pb.ProposeRequest, timeout=None):
+    async def step(self, request: pb.ProposeRequest, timeout=None, on_sent=None):
         self.calls += 1
         try:
             if self.calls > 1:
@@ -234,7 +234,7 @@ class ChaosTarget(FakeTarget):
         self.rng = rng
         self.fail_p = self.lose_p = 0.0
 
-    async def step(self, request: pb.VerifyRequest, timeout=None):
+    async def step(self, request: pb.VerifyRequest, timeout=None, on_sent=None):
         if self.rng.random() < self.fail_p:
             await asyncio.sleep(self.rng.choice([0.0, 0.002]))  # the extension may be in flight
             raise rpc_error()
