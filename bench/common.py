@@ -41,6 +41,9 @@ KERNEL_SETS = {
     # the norm fusion at steps of up to 16 tokens too (GemvOps.norm_max_m; the default fuses 1-token
     # steps only, since the tl.dot consumer lost at b 8 before its norm weight was loaded ahead)
     "norm_m16": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=16),
+    # split-K GEMVs (the small drafts' o / down projections) summed by each tile's last program
+    # instead of a second kernel (gemv.SPLIT_REDUCE_MODES)
+    "splitk_inline": dict(fused=True, gemv=True, pdl=True, norm=True, split_reduce="inline"),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -51,7 +54,7 @@ KERNEL_SETS = {
 def kernel_set(model, name: str):
     """Switch `model` to a kernel set; capture its CUDA graphs inside the block (a graph keeps the
     kernels, and the launch attributes, it was captured with)."""
-    from specdec.kernels import pdl
+    from specdec.kernels import gemv, pdl
     chosen = KERNEL_SETS[name]
     model.set_fused_kernels(chosen["fused"])
     model.set_gemv_kernels(chosen["gemv"])
@@ -59,7 +62,10 @@ def kernel_set(model, name: str):
     model.set_gemv_norm(chosen.get("norm", False))
     if "norm_max_m" in chosen and hasattr(model.ops, "norm_max_m"):
         model.ops.norm_max_m = chosen["norm_max_m"]
-    with pdl.forced(chosen["pdl"]):
+    reduce = chosen.get("split_reduce", "separate")
+    if reduce == "inline" and torch.cuda.is_available():
+        gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture
+    with pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce):
         yield
 
 

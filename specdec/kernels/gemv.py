@@ -27,7 +27,9 @@ runs anywhere Triton does (the CPU under TRITON_INTERPRET=1, which the unit test
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -90,15 +92,19 @@ def _weighted(x, nw, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  stride_r, num_parts, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
-                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16):
+                 RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
+                 INLINE_REDUCE: tl.constexpr = False):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
     rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
-    RES_OUT (one split, no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS.
+    RES_OUT (no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS (split over
+    K: by the reduce kernel's programs, or with INLINE_REDUCE one per N tile).
+    INLINE_REDUCE (split over K): the last of an N tile's programs to arrive, counted in CNT, sums
+    the tile's partials and runs the epilogue, instead of a second kernel.
     NORM_IN: x is the residual stream of such a producer and the product is RMSNorm(x) @ W^T:
     (x * NW) @ W^T scaled by 1 / RMS, the RMS from SS (its num_parts partial sums) and eps.
     Both load what their epilogue needs (the residual tile; the partial sums) before the K loop, so
@@ -123,6 +129,7 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                   # [BLOCK_M, 1]
     if NORM_IN:
         sums = _partial_sums(SS, M, num_parts, 0, offs_m, m_ok, BLOCK_P)    # [BLOCK_M, BLOCK_P]
+    res = 0.0   # (the residual tile: RES_OUT only)
     if RES_OUT and SPLIT == 1:
         res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
                       mask=m_ok[:, None] & n_ok[None, :], other=0.0)
@@ -176,22 +183,51 @@ def _gemv_kernel(X, W, B, Y, WS, R, SS, NW, M, N, K, k_per_split, stride_xm, str
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT > 1:  # fp32 partials of every W row (GLU: 2N columns), summed in split order
         n_ws = 2 * N if GLU else N
-        ws = WS + (pid_k * M + offs_m)[:, None].to(tl.int64) * n_ws + offs_n[None, :]
-        tl.store(ws, acc, mask=out_mask)
+        ws_rows = WS + offs_m[:, None].to(tl.int64) * n_ws + offs_n[None, :]
+        tl.store(ws_rows + (pid_k * M).to(tl.int64) * n_ws, acc, mask=out_mask)
+        if INLINE_REDUCE:
+            # The tile's last program to arrive sums the partials (in split order: the same bits
+            # whichever program is last) and runs the epilogue. Release: the barrier orders every
+            # thread's partial stores before the one thread's gpu-scope release atomic (release is
+            # cumulative); acquire: the last program's atomic, then the barrier, order all its
+            # threads' loads (.cg: past L1) after every other release (triton_attention's inline
+            # merge does the same). It puts the count back to 0 for the next launch or replay.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                tl.debug_barrier()
+                tl.store(CNT + pid_n, 0)
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):  # fixed order: deterministic
+                    total += tl.load(ws_rows + (s * M) * n_ws, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tile_res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :], mask=out_mask,
+                                   other=0.0) if RES_OUT else res
+                _epilogue(total, tile_res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_ym,
+                          BLOCK_M, BLOCK_N, HAS_BIAS, GLU, RES_OUT)
     else:
-        if HAS_BIAS:
-            acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-            cols = pid_n * HALF + tl.arange(0, HALF)
-            y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-            tl.store(y, _silu_mul_rounded(gate, up, Y.dtype.element_ty),
-                     mask=m_ok[:, None] & (cols < N)[None, :])
-        elif RES_OUT:
-            _residual_out(acc, res, Y, SS, pid_n, M, offs_m, offs_n, m_ok, n_ok, stride_ym)
-        else:
-            y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y, acc.to(Y.dtype.element_ty), mask=out_mask)
+        _epilogue(acc, res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_ym,
+                  BLOCK_M, BLOCK_N, HAS_BIAS, GLU, RES_OUT)
+
+
+@triton.jit
+def _epilogue(acc, res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_ym,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+              RES_OUT: tl.constexpr):
+    """A tile's output from its fp32 sums: the bias, then SiLU(gate) * up (GLU), the residual add
+    and the tile's sums of squares (RES_OUT), or the product rounded to the dtype."""
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+        tl.store(y, _silu_mul_rounded(gate, up, Y.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
+    elif RES_OUT:
+        _residual_out(acc, res, Y, SS, pid_n, M, offs_m, offs_n, m_ok, n_ok, stride_ym)
+    else:
+        y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -272,6 +308,57 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
                       num_warps=warps, num_stages=stages)
 
 
+# How a launch split over K sums its partials: "separate" (a second kernel, _splitk_reduce_kernel)
+# or "inline" (each N tile's last program to arrive, counted by an atomic; no second launch). Read
+# at launch: a CUDA graph keeps what it was captured with. SPECDEC_GEMV_SPLIT_REDUCE sets it.
+SPLIT_REDUCE_MODES = ("separate", "inline")
+_split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "separate")
+if _split_reduce not in SPLIT_REDUCE_MODES:
+    raise ValueError(f"SPECDEC_GEMV_SPLIT_REDUCE={_split_reduce!r}: expected one of {SPLIT_REDUCE_MODES}")
+# The inline reduce's arrival counts, one int32 per N tile: zero between launches (a tile's last
+# program puts its count back), so a graph that captured a launch replays with this address and no
+# memset. One buffer per device, shared by every launch there: launches on a device run one at a
+# time (the runner's one stream; graphs replay on it). A split launch has fewer N tiles than the
+# device has SMs (default_config), far below the capacity.
+MAX_SPLIT_TILES = 4096
+
+
+def set_split_reduce(mode: str) -> None:
+    global _split_reduce
+    if mode not in SPLIT_REDUCE_MODES:
+        raise ValueError(f"split reduce mode {mode!r}: expected one of {SPLIT_REDUCE_MODES}")
+    _split_reduce = mode
+
+
+def split_reduce() -> str:
+    return _split_reduce
+
+
+@contextlib.contextmanager
+def split_reduce_forced(mode: str):
+    """Launch (and capture) with this split reduce mode inside the block; benchmarks compare both."""
+    old = _split_reduce
+    set_split_reduce(mode)
+    try:
+        yield
+    finally:
+        set_split_reduce(old)
+
+
+@functools.lru_cache(maxsize=None)
+def _counters(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("gemv inline split reduce: make one eager call before capturing a CUDA graph "
+                           "(the arrival counters are zeroed once, outside any graph)")
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+
+
+def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    if n_tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"gemv: {n_tiles} N tiles split over K: at most {MAX_SPLIT_TILES}")
+    return _counters(device)
+
+
 def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
     """(K elements per split, splits launched): whole BLOCK_Ks per split, no empty splits (so the
     launched count can be below cfg.split_k when the K blocks do not divide evenly)."""
@@ -335,6 +422,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if glu and cfg.block_n < 2:
         raise ValueError("gemv: the silu_mul epilogue needs block_n >= 2 (gate and up rows)")
     k_per_split, split = split_layout(k, cfg)
+    inline = split > 1 and _split_reduce == "inline"
     ws = torch.empty((split, m, rows), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     block = min(1024, triton.next_power_of_2(n))
@@ -343,21 +431,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None:   # one partial sum per program that writes outputs
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
-        sums = torch.empty((triton.cdiv(n, block) if split > 1 else n_tiles, m), dtype=torch.float32,
-                           device=x.device)
+        sums = torch.empty((triton.cdiv(n, block) if split > 1 and not inline else n_tiles, m),
+                           dtype=torch.float32, device=x.device)
     res = residual if residual is not None else y
     ss, nw, parts, eps, block_p = _norm_args(norm, y, cfg.block_m)
     ss = sums if sums is not None else ss
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles, split)](
-        x, weight, b, y, ws, res, ss, nw, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
+        x, weight, b, y, ws, _tile_counters(x.device, n_tiles) if inline else y, res, ss, nw, m, n, k,
+        k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
-        RES_OUT=residual is not None and split == 1, NORM_IN=norm is not None, BLOCK_P=block_p,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
-    if split > 1:
+        RES_OUT=residual is not None and (split == 1 or inline), NORM_IN=norm is not None, BLOCK_P=block_p,
+        INLINE_REDUCE=inline, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    if split > 1 and not inline:
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             ws, b, y, res, ss, m, n, y.stride(0), res.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
             BLOCK=block, GLU=glu, RES_OUT=residual is not None, num_warps=4, **launch)
