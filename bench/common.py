@@ -41,9 +41,9 @@ KERNEL_SETS = {
     # the norm fusion at steps of up to 16 tokens too (GemvOps.norm_max_m; the default fuses 1-token
     # steps only, since the tl.dot consumer lost at b 8 before its norm weight was loaded ahead)
     "norm_m16": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=16),
-    # split-K GEMVs (the small drafts' o / down projections) summed by each tile's last program
-    # instead of a second kernel (gemv.SPLIT_REDUCE_MODES)
-    "splitk_inline": dict(fused=True, gemv=True, pdl=True, norm=True, split_reduce="inline"),
+    # split-K GEMVs (the small drafts' o / down projections, the 7B's down at 2..16 rows) summed by
+    # a second kernel instead of each tile's last program (gemv.SPLIT_REDUCE_MODES)
+    "splitk_separate": dict(fused=True, gemv=True, pdl=True, norm=True, split_reduce="separate"),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -62,7 +62,7 @@ def kernel_set(model, name: str):
     model.set_gemv_norm(chosen.get("norm", False))
     if "norm_max_m" in chosen and hasattr(model.ops, "norm_max_m"):
         model.ops.norm_max_m = chosen["norm_max_m"]
-    reduce = chosen.get("split_reduce", "separate")
+    reduce = chosen.get("split_reduce", "inline")
     if reduce == "inline" and torch.cuda.is_available():
         gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture
     with pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce):

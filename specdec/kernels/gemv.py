@@ -308,11 +308,14 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
                       num_warps=warps, num_stages=stages)
 
 
-# How a launch split over K sums its partials: "separate" (a second kernel, _splitk_reduce_kernel)
-# or "inline" (each N tile's last program to arrive, counted by an atomic; no second launch). Read
-# at launch: a CUDA graph keeps what it was captured with. SPECDEC_GEMV_SPLIT_REDUCE sets it.
+# How a launch split over K sums its partials: "inline" (each N tile's last program to arrive,
+# counted by an atomic; no second launch) or "separate" (a second kernel, _splitk_reduce_kernel).
+# Read at launch: a CUDA graph keeps what it was captured with. SPECDEC_GEMV_SPLIT_REDUCE sets it.
+# H200, graphed decode (bench/decode.py, cost_coefficient.py, session 17, kernel set splitk_inline
+# against default): the 7B at b 8 (its down projection splits at 8 rows) 3.94 vs 4.09 ms, the
+# 160m draft at b 8 0.376 vs 0.384 ms; b 1 within 1% (3.67 vs 3.65 ms; 160m 0.308 vs 0.310).
 SPLIT_REDUCE_MODES = ("separate", "inline")
-_split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "separate")
+_split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "inline")
 if _split_reduce not in SPLIT_REDUCE_MODES:
     raise ValueError(f"SPECDEC_GEMV_SPLIT_REDUCE={_split_reduce!r}: expected one of {SPLIT_REDUCE_MODES}")
 # The inline reduce's arrival counts, one int32 per N tile: zero between launches (a tile's last

@@ -26,6 +26,14 @@ def default_n(m):       # default_config's rows per program (one part each witho
     return 8 if m == 1 else 32
 
 
+def _parts(n, m, cfg):
+    """The producer's partial sums: one per N tile; split over K with the separate reduce, one per
+    reduce program (1024 columns)."""
+    if cfg is not None and cfg.split_k > 1 and gemv_module.split_reduce() == "separate":
+        return -(-n // 1024)
+    return -(-n // (cfg.block_n if cfg else default_n(m)))
+
+
 def _configs(m):
     block_m = 1 if m == 1 else 16
     return [None, GemvConfig(block_m, 16, 32, split_k=3)]
@@ -43,7 +51,7 @@ def test_producer_and_consumer_match_the_separate_ops(dtype, m, cfg_i):
     cfg = _configs(m)[cfg_i]
     r, sums = gemv(x, w, config=cfg, residual=res)
     assert torch.equal(r, (res.float() + gemv(x, w, config=cfg).float()).to(dtype))
-    assert sums.dtype == torch.float32 and sums.shape[1] == m and sums.shape[0] == (1 if cfg_i else -(-n // default_n(m)))
+    assert sums.dtype == torch.float32 and sums.shape[1] == m and sums.shape[0] == _parts(n, m, cfg)
     torch.testing.assert_close(sums.sum(0), r.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
     nw = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
     w2 = (torch.randn(n2, n, generator=gen) * 0.1).to(dtype)

@@ -80,7 +80,10 @@ def test_producer_bits_sums_and_consumer_against_the_separate_ops(dtype, case):
     assert torch.equal(r, (res.float() + gemv(x, w, config=pcfg).float()).to(dtype))
     cfg = pcfg or default_config(m, n, k, 132)
     split = split_layout(k, cfg)[1]
-    parts = -(-n // min(1024, 1 << (n - 1).bit_length())) if split > 1 else -(-n // cfg.block_n)
+    if split > 1 and gemv_module.split_reduce() == "separate":   # one per reduce program
+        parts = -(-n // min(1024, 1 << (n - 1).bit_length()))
+    else:   # one per N tile (split over K: the tile's last program's)
+        parts = -(-n // cfg.block_n)
     assert sums.shape == (parts, m) and sums.dtype == F32
     torch.testing.assert_close(sums.sum(0), r.float().pow(2).sum(-1), rtol=2e-6, atol=0)
     rows = 2 * n2 if glu else n2

@@ -150,35 +150,37 @@ def test_bias_is_added_after_the_rms_scale_exact_bits(m, split):
 @pytest.mark.parametrize("m", [1, 3])
 def test_producer_split_k_two_reduce_programs_strided_residual(m):
     """Split-K producer (reduce kernel) over 1100 columns (two reduce programs: two partial sums)
-    with a residual whose row stride is not N (a view) and a transposed one; bias too."""
-    gen = torch.Generator().manual_seed(40 + m)
-    n, k = 1100, 64
-    x = torch.randn(m, k, generator=gen)
-    w = torch.randn(n, k, generator=gen) * 0.2
-    bias = torch.randn(n, generator=gen)
-    cfg = _cfg(m, 64, 16, 4)
-    assert split_layout(k, cfg)[1] == 4
-    y = gemv(x, w, bias, config=cfg)
-    # one split (the residual tile loaded before the K loop) with the same strided residuals
-    one = _cfg(m, 64, 16, 1)
-    wide = torch.randn(m, n + 37, generator=gen)
-    for res in (wide[:, 20:20 + n], torch.randn(n, m, generator=gen).t()):
-        r1, sums1 = gemv(x, w, bias, config=one, residual=res)
-        assert torch.equal(r1, res + gemv(x, w, bias, config=one))
-        assert sums1.shape == (-(-n // 64), m)
-        torch.testing.assert_close(sums1.sum(0), r1.pow(2).sum(-1), rtol=2e-6, atol=0)
-    wide = torch.randn(m, n + 37, generator=gen)
-    for res in (wide[:, 20:20 + n], torch.randn(n, m, generator=gen).t()):
-        r, sums = gemv(x, w, bias, config=cfg, residual=res)
-        assert torch.equal(r, res + y)
-        assert sums.shape == (2, m)
-        assert torch.equal(sums[0], r[:, :1024].pow(2).sum(-1)) or torch.allclose(
-            sums[0], r[:, :1024].pow(2).sum(-1), rtol=2e-6, atol=0)
-        torch.testing.assert_close(sums[1], r[:, 1024:].pow(2).sum(-1), rtol=2e-6, atol=0)
-        nw = 1 + 0.1 * torch.randn(n, generator=gen)
-        w2 = torch.randn(10, n, generator=gen) * 0.1
-        out = gemv(r, w2, norm=NormInput(sums, nw, 1e-5))
-        assert _rel(out, _f64_ref(r, nw, 1e-5, w2)) < 5e-6
+    with a residual whose row stride is not N (a view) and a transposed one; bias too. The separate
+    reduce's layout (tests/unit/test_gemv_inline_reduce.py: the inline one's)."""
+    with gemv_module.split_reduce_forced("separate"):
+        gen = torch.Generator().manual_seed(40 + m)
+        n, k = 1100, 64
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(n, k, generator=gen) * 0.2
+        bias = torch.randn(n, generator=gen)
+        cfg = _cfg(m, 64, 16, 4)
+        assert split_layout(k, cfg)[1] == 4
+        y = gemv(x, w, bias, config=cfg)
+        # one split (the residual tile loaded before the K loop) with the same strided residuals
+        one = _cfg(m, 64, 16, 1)
+        wide = torch.randn(m, n + 37, generator=gen)
+        for res in (wide[:, 20:20 + n], torch.randn(n, m, generator=gen).t()):
+            r1, sums1 = gemv(x, w, bias, config=one, residual=res)
+            assert torch.equal(r1, res + gemv(x, w, bias, config=one))
+            assert sums1.shape == (-(-n // 64), m)
+            torch.testing.assert_close(sums1.sum(0), r1.pow(2).sum(-1), rtol=2e-6, atol=0)
+        wide = torch.randn(m, n + 37, generator=gen)
+        for res in (wide[:, 20:20 + n], torch.randn(n, m, generator=gen).t()):
+            r, sums = gemv(x, w, bias, config=cfg, residual=res)
+            assert torch.equal(r, res + y)
+            assert sums.shape == (2, m)
+            assert torch.equal(sums[0], r[:, :1024].pow(2).sum(-1)) or torch.allclose(
+                sums[0], r[:, :1024].pow(2).sum(-1), rtol=2e-6, atol=0)
+            torch.testing.assert_close(sums[1], r[:, 1024:].pow(2).sum(-1), rtol=2e-6, atol=0)
+            nw = 1 + 0.1 * torch.randn(n, generator=gen)
+            w2 = torch.randn(10, n, generator=gen) * 0.1
+            out = gemv(r, w2, norm=NormInput(sums, nw, 1e-5))
+            assert _rel(out, _f64_ref(r, nw, 1e-5, w2)) < 5e-6
 
 
 # ------------------------------------------------------------- bf16 vs float64
