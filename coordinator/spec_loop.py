@@ -216,9 +216,9 @@ class SpecLoop:
         # The Verify is built while the draft works (once the Propose is written), but for the
         # drafts; with no Propose to send, here.
         built: list[pb.VerifyRequest] = []
-        draft_timing = await self._propose(plans, functools.partial(self._verify_request, plans, built))
+        draft_timing = await self._propose(plans, functools.partial(self._verify_request_early, plans, built))
         t1 = time.perf_counter()
-        self._verify_request(plans, built)
+        self._verify_request(plans, built)   # (built already, or raises here: the step fails, not the draft)
         request = built[0]
         for p, msg in zip(plans, request.seqs):
             if p.drafts:
@@ -250,6 +250,14 @@ class SpecLoop:
             if p.seq.target_first:
                 msg.first = True
         built.append(request)
+
+    def _verify_request_early(self, plans: list[Plan], built: list) -> None:
+        """_verify_request from inside the draft's call: a failure there is not the draft's (it
+        would count as the draft failing and take it down); the build after the call raises it."""
+        try:
+            self._verify_request(plans, built)
+        except Exception:
+            built.clear()
 
     async def _verify(self, plans: list[Plan], request: pb.VerifyRequest, seqs: list[Sequence],
                       started: float, t0: float, t1: float, draft_timing, ahead) -> None:

@@ -8,8 +8,10 @@ At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32
   end (no tensor cores, no padding); 2 <= M <= 16 pads the tokens to 16 rows and uses tl.dot, whose
   operands the compiler pipelines through shared memory (num_stages deep);
 - BLOCK_N shrinks for small N so that there are programs for every SM; where even the smallest
-  BLOCK_N leaves SMs idle, K is split over a second grid axis: fp32 partials [S, M, N] and a second,
-  tiny kernel that sums them in split order (deterministic: the same bits every run, unlike atomics).
+  BLOCK_N leaves SMs idle, K is split over a second grid axis: each program stores its fp32 partial,
+  and the last of an N tile's programs to arrive (an atomic count per tile) sums them in split order
+  and writes the output (deterministic: the same bits whichever program is last, unlike atomic adds
+  of the values); SPECDEC_GEMV_SPLIT_REDUCE=separate sums them in a second, tiny kernel instead.
 Accumulation is fp32 for every input dtype, rounded once to the output dtype with the bias added, as
 cuBLAS does, so bf16 results agree with F.linear up to reduction order.
 
@@ -348,18 +350,19 @@ def split_reduce_forced(mode: str):
         set_split_reduce(old)
 
 
-@functools.lru_cache(maxsize=None)
 def _counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counts ("cuda" is the current CUDA device: one buffer per GPU)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_counters(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_counters(device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("gemv inline split reduce: make one eager call before capturing a CUDA graph "
                            "(the arrival counters are zeroed once, outside any graph)")
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-
-
-def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
-    if n_tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"gemv: {n_tiles} N tiles split over K: at most {MAX_SPLIT_TILES}")
-    return _counters(device)
 
 
 def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
@@ -425,11 +428,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if glu and cfg.block_n < 2:
         raise ValueError("gemv: the silu_mul epilogue needs block_n >= 2 (gate and up rows)")
     k_per_split, split = split_layout(k, cfg)
-    inline = split > 1 and _split_reduce == "inline"
+    n_tiles = triton.cdiv(rows, cfg.block_n)
+    # (more N tiles than the counters: the separate reduce; default_config never splits those)
+    inline = split > 1 and _split_reduce == "inline" and n_tiles <= MAX_SPLIT_TILES
     ws = torch.empty((split, m, rows), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     block = min(1024, triton.next_power_of_2(n))
-    n_tiles = triton.cdiv(rows, cfg.block_n)
     sums = None
     if residual is not None:   # one partial sum per program that writes outputs
         if residual.stride(-1) != 1:
@@ -441,7 +445,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ss = sums if sums is not None else ss
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles, split)](
-        x, weight, b, y, ws, _tile_counters(x.device, n_tiles) if inline else y, res, ss, nw, m, n, k,
+        x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
