@@ -313,9 +313,10 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 # How a launch split over K sums its partials: "inline" (each N tile's last program to arrive,
 # counted by an atomic; no second launch) or "separate" (a second kernel, _splitk_reduce_kernel).
 # Read at launch: a CUDA graph keeps what it was captured with. SPECDEC_GEMV_SPLIT_REDUCE sets it.
-# H200, graphed decode (bench/decode.py, cost_coefficient.py, session 17, kernel set splitk_inline
-# against default): the 7B at b 8 (its down projection splits at 8 rows) 3.94 vs 4.09 ms, the
-# 160m draft at b 8 0.376 vs 0.384 ms; b 1 within 1% (3.67 vs 3.65 ms; 160m 0.308 vs 0.310).
+# H200, graphed decode (bench/decode.py, cost_coefficient.py, session 17; inline against the
+# kernel set splitk_separate): the 7B at b 8 (its down projection splits at 8 rows) 3.92 vs
+# 4.09 ms, the 160m draft at b 8 0.374 vs 0.383 ms; b 1 within 1% (3.65 vs 3.67 ms; 160m 0.308
+# vs 0.309). An earlier call with the sides the other way round: 3.94 vs 4.09 ms.
 SPLIT_REDUCE_MODES = ("separate", "inline")
 _split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "inline")
 if _split_reduce not in SPLIT_REDUCE_MODES:
