@@ -7,7 +7,8 @@
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), e2e-trace
-#         (the transport's parts per call: bench/trace_steps.py; TRACE_ARGS, default --drafts llama-68m), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
+#         (the transport's parts per call: bench/trace_steps.py; TRACE_ARGS, default --drafts llama-68m), wakeup
+#         (how fast a process notices a frame, by how it waits: bench/wakeup.py), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
 #         anatomy, tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
@@ -83,6 +84,7 @@ for s in "$@"; do
                   --tensor-parallel ${ANATOMY_TP:-1 2 2:nccl}; keep anatomy_tp.json ;;
     timeline) run timeline "${TIMELINE_S:-150}" python3 bench/timeline.py --replays 5 \
                 --kernel-sets ${TIMELINE_SETS:-default no_norm}; keep timeline.json ;;
+    wakeup) run wakeup "${WAKEUP_S:-120}" python3 bench/wakeup.py; keep wakeup.json ;;
     hostpath) run hostpath "${HOSTPATH_S:-240}" python3 bench/hostpath.py; keep hostpath.json ;;
     attention-grid) run attention-grid "${GRID_S:-150}" python3 bench/attention_grid.py; keep attention_grid.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
