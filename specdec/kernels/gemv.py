@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import pdl
+from specdec.kernels.counters import arrival_counters
 
 MAX_M = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -321,11 +322,9 @@ SPLIT_REDUCE_MODES = ("separate", "inline")
 _split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "inline")
 if _split_reduce not in SPLIT_REDUCE_MODES:
     raise ValueError(f"SPECDEC_GEMV_SPLIT_REDUCE={_split_reduce!r}: expected one of {SPLIT_REDUCE_MODES}")
-# The inline reduce's arrival counts, one int32 per N tile: zero between launches (a tile's last
-# program puts its count back), so a graph that captured a launch replays with this address and no
-# memset. One buffer per device, shared by every launch there: launches on a device run one at a
-# time (the runner's one stream; graphs replay on it). A split launch has fewer N tiles than the
-# device has SMs (default_config), far below the capacity.
+# The inline reduce's arrival counts, one int32 per N tile (kernels/counters.py: zero between
+# launches, one buffer per device). A split launch has fewer N tiles than the device has SMs
+# (default_config), far below the capacity.
 MAX_SPLIT_TILES = 4096
 
 
@@ -352,18 +351,8 @@ def split_reduce_forced(mode: str):
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counts ("cuda" is the current CUDA device: one buffer per GPU)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_counters(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_counters(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("gemv inline split reduce: make one eager call before capturing a CUDA graph "
-                           "(the arrival counters are zeroed once, outside any graph)")
-    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    """The inline reduce's arrival counts on `device` (kernels/counters.py)."""
+    return arrival_counters(device, MAX_SPLIT_TILES)
 
 
 def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:

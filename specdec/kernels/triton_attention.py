@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import pdl
+from specdec.kernels.counters import arrival_counters
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128   # below this a split's reads no longer pay for its partial write + merge
@@ -417,18 +418,10 @@ def launch_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                     plan))
 
 
-@functools.lru_cache(maxsize=None)
 def _tile_counters(device: torch.device, capacity: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters of the inline merge, one per (sequence, KV head, query tile).
-
-    Kept for the process's life: a CUDA graph that captured a call replays with this address, and
-    every call leaves it zero (the last split of a tile resets its counter), so no memset is ever
-    launched. Calls that run concurrently on two streams of one device must not share it; the
-    runner issues attention on one stream per device."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("inline merge: make one eager call before capturing a CUDA graph (the "
-                           "arrival counters are zeroed once, outside any graph)")
-    return torch.zeros(capacity, dtype=torch.int32, device=device)
+    """Zeroed int32 arrival counters of the inline merge, one per (sequence, KV head, query tile)
+    (kernels/counters.py)."""
+    return arrival_counters(device, capacity)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

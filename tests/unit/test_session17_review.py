@@ -32,6 +32,7 @@ from coordinator.sequence import Abort, Finish
 from coordinator.servers import ChannelUnreachable, ModelServer
 from coordinator.spec_loop import SpecLoop
 from protos import specdec_pb2 as pb
+from specdec.kernels import counters as counters_module
 from specdec.kernels import gemv as gemv_module
 from specdec.kernels.gemv import GemvConfig, NormInput, gemv, split_layout
 from specdec.models.llama import RMSNorm
@@ -198,7 +199,7 @@ def test_counters_are_one_buffer_per_physical_device(monkeypatch):
     try:
         assert gemv_module._counters(torch.device("cuda")) is gemv_module._counters(torch.device("cuda", 0))
     finally:
-        gemv_module._device_counters.cache_clear()   # (the CPU buffer comes back zeroed on next use)
+        counters_module._buffer.cache_clear()   # (the CPU buffer comes back zeroed on next use)
 
 
 # -------------------------------------------------------------------------------- prebuilt Verify
