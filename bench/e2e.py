@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E402
 from services import (DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
-                      run_concurrent, summarize, write_shape_folder)
+                      run_concurrent, steady_tok_s, summarize, write_shape_folder)
 from specdec.metrics import STAGES, histogram_mean, sample_total  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
@@ -165,6 +165,7 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
                    "plain": plain, "spec": spec}
+            row.update(steady_rows(b, plain_recs, spec_recs, plain, spec, (m0, m1, m2), row["expected"]))
             if row["overhead_ms_spec"] is not None and row["step_ms_spec"]:
                 row["overhead_frac_spec"] = row["overhead_ms_spec"] / row["step_ms_spec"]
             if row["target_forward_ms_spec"] and row["target_forward_ms_plain"]:
@@ -179,10 +180,31 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             print(f"{label} gpus={gpus} batch={b}: plain {_f(plain['tok_s'])} tok/s, spec "
                   f"{_f(spec['tok_s'])} tok/s, acceptance {_f(spec['acceptance'], '.3f')}, "
                   f"c {_f(c, '.3f')}, overhead/step {_f(row['overhead_ms_spec'], '.3f')} ms "
-                  f"(step {_f(row['step_ms_spec'], '.2f')} ms), errors {plain['errors'] + spec['errors']}"
+                  f"(step {_f(row['step_ms_spec'], '.2f')} ms), steady speedup {_f(row['speedup_steady'], '.2f')} "
+                  f"(occupancy plain {_f(row['occupancy_plain'], '.2f')}, spec {_f(row['occupancy_spec'], '.2f')}), "
+                  f"errors {plain['errors'] + spec['errors']}"
                   + (f" ({plain['first_error'] or spec['first_error']})"
                      if plain['errors'] + spec['errors'] else ""), flush=True)
     return rows
+
+
+def steady_rows(b: int, plain_recs, spec_recs, plain: dict, spec: dict, scrapes, expected) -> dict:
+    """Beside the whole run's tokens/s: tokens/s while all b slots decode (services.steady_window:
+    the drain at the end of a finite closed-loop run left out), and each mode's occupancy, the
+    mean sequences per batch step over b (sequence steps from the requests' usage, batch steps
+    from the coordinator's step histogram)."""
+    m0, m1, m2 = scrapes
+    out = {"plain_steady_tok_s": steady_tok_s(plain_recs, b), "spec_steady_tok_s": steady_tok_s(spec_recs, b)}
+    p, s = out["plain_steady_tok_s"], out["spec_steady_tok_s"]
+    out["speedup_steady"] = s / p if s and p else None
+    out["steady_over_expected"] = out["speedup_steady"] / expected if out["speedup_steady"] and expected else None
+    for mode, before, after, summary in (("plain", m0, m1, plain), ("spec", m1, m2, spec)):
+        # every batch step between the scrapes, whatever its mode label (a speculative pass's
+        # steps that only prefill are labelled plain)
+        steps = (sample_total(after, "specdec_step_seconds_count")
+                 - sample_total(before, "specdec_step_seconds_count"))
+        out[f"occupancy_{mode}"] = summary["steps"] / (steps * b) if steps and summary["steps"] else None
+    return out
 
 
 def sampling_params(a) -> dict:
@@ -495,6 +517,14 @@ def main(argv=None) -> int:
         ("target_host_ms_spec", "target host", ".2f"), ("overhead_ms_spec", "transport", ".2f"),
         ("verify_ratio", "verify / decode fwd", ".2f"), ("speedup", "speedup", ".2f"),
         ("expected_verify", "expected (c, verify)", ".2f")]))
+    print("\nwhile every slot decodes (the run's final drain left out; occupancy: sequences per batch "
+          "step / b over the whole run)")
+    print(table([r for r in rows if "skipped" not in r], [
+        ("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d"),
+        ("plain_steady_tok_s", "plain tok/s", ".0f"), ("spec_steady_tok_s", "spec tok/s", ".0f"),
+        ("speedup_steady", "speedup", ".2f"), ("expected", "expected (c)", ".2f"),
+        ("steady_over_expected", "measured / expected", ".2f"), ("speedup", "whole-run speedup", ".2f"),
+        ("occupancy_plain", "occupancy plain", ".2f"), ("occupancy_spec", "occupancy spec", ".2f")]))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")
     print(f"wrote {path} ({result['elapsed_s']:.0f}s)")

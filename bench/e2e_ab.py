@@ -34,7 +34,8 @@ from common import ROOT, baseline_tree, environment, table, write_result
 
 # What is compared per row (e2e.py's keys) and how the table names them.
 METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", ".0f"),
-           ("speedup", "speedup", ".2f"), ("step_ms_spec", "spec step ms", ".2f"),
+           ("speedup", "speedup", ".2f"), ("speedup_steady", "steady speedup", ".2f"),
+           ("step_ms_spec", "spec step ms", ".2f"),
            ("draft_host_ms_spec", "draft host ms", ".2f"), ("target_host_ms_spec", "target host ms", ".2f"),
            ("overhead_ms_spec", "transport ms", ".2f")]
 RESULTS = ROOT / "bench" / "results"

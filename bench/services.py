@@ -175,6 +175,7 @@ class Record:
     first: float | None = None       # first chunk that carried tokens
     done: float | None = None
     tokens: list[int] = field(default_factory=list)
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens) per chunk with tokens
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
@@ -195,8 +196,11 @@ async def _generate(client: AsyncClient, prompt: str, timeout: float, params: di
     rec = Record(time.perf_counter())
     try:
         async for chunk in client.generate(prompt, timeout=timeout, **params):
-            if chunk.token_ids and rec.first is None:
-                rec.first = time.perf_counter()
+            if chunk.token_ids:
+                now = time.perf_counter()
+                if rec.first is None:
+                    rec.first = now
+                rec.chunks.append((now, len(chunk.token_ids)))
             rec.tokens += chunk.token_ids
             if chunk.usage is not None:
                 u = chunk.usage
@@ -261,6 +265,34 @@ def summarize(records: Sequence[Record], wall: float) -> dict:
             "drafted": drafted, "accepted": accepted, "steps": steps,
             "acceptance": accepted / drafted if drafted else None,
             "tau": 1 + accepted / steps if steps and drafted else None}
+
+
+def steady_window(records: Sequence[Record], concurrency: int) -> tuple[float, float] | None:
+    """The span of a closed-loop run (run_concurrent) in which all `concurrency` slots decode:
+    from the moment the first `concurrency` requests (by send time) all have their first token,
+    to the first finish after the last request was sent (from there the batch only drains).
+    Leviathan's expected speedup is a per-step model of a full batch; speculative sequences of one
+    length finish at different steps, so a finite run ends with a drain of a few steps at smaller
+    batches that plain decoding (every sequence done at the same step) does not have. None when
+    the span is empty or a request failed."""
+    if not records or any(r.error is not None or r.first is None or r.done is None for r in records):
+        return None
+    by_send = sorted(records, key=lambda r: r.sent)
+    start = max(r.first for r in by_send[:concurrency])
+    last_sent = by_send[-1].sent
+    end = min((r.done for r in records if r.done > last_sent), default=None)
+    return (start, end) if end is not None and end > start else None
+
+
+def steady_tok_s(records: Sequence[Record], concurrency: int) -> float | None:
+    """Tokens/s over steady_window: the chunks that arrived inside it (a chunk at the window's
+    start closes the interval before it and is not counted)."""
+    window = steady_window(records, concurrency)
+    if window is None:
+        return None
+    start, end = window
+    tokens = sum(n for r in records for t, n in r.chunks if start < t <= end)
+    return tokens / (end - start)
 
 
 def leviathan_alpha(tau: float, gamma: int) -> float | None:

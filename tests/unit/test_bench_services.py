@@ -47,3 +47,42 @@ def test_scrape_of_nothing_is_empty():
     from coordinator.launch import free_port
     from specdec.metrics import scrape
     assert scrape(f"127.0.0.1:{free_port()}") == {} and scrape(None) == {}
+
+
+def _rec(sent, chunks, error=None):
+    """A request record: sent at `sent`, chunks (arrival, tokens), done at the last chunk."""
+    from services import Record
+    r = Record(sent, first=chunks[0][0], done=chunks[-1][0], chunks=list(chunks), error=error)
+    r.tokens = [0] * sum(n for _, n in chunks)
+    return r
+
+
+def test_steady_window_spans_full_batch_until_the_drain():
+    from services import steady_tok_s, steady_window
+    # Two slots, three requests. A: 0 -> first token at 1, done at 5. B: first at 2, done at 9.
+    # C is sent when A finishes (5) and finishes at 12; the drain starts at B's finish (9), the
+    # first after the last send.
+    a = _rec(0.0, [(1.0, 1), (3.0, 2), (5.0, 2)])
+    b = _rec(0.1, [(2.0, 1), (4.0, 3), (9.0, 3)])
+    c = _rec(5.0, [(6.0, 1), (8.0, 2), (10.0, 1), (12.0, 1)])
+    recs = [c, a, b]                      # any order: the window goes by send time
+    assert steady_window(recs, 2) == (2.0, 9.0)
+    # Chunks in (2, 9]: a 3.0 (2), 5.0 (2); b 4.0 (3), 9.0 (3); c 6.0 (1), 8.0 (2) = 13 tokens.
+    assert steady_tok_s(recs, 2) == 13 / 7.0
+    # The whole run's rate counts the drain (10.0 and 12.0, one slot busy) too.
+    whole = sum(len(r.tokens) for r in recs) / 12.0
+    assert steady_tok_s(recs, 2) > whole
+
+
+def test_steady_window_is_none_without_a_clean_full_span():
+    from services import steady_tok_s, steady_window
+    a = _rec(0.0, [(1.0, 1), (2.0, 1)])
+    b = _rec(0.0, [(3.0, 1), (4.0, 1)])
+    # b's first token comes after a finished: no moment with both slots decoding
+    assert steady_window([a, b], 2) is None and steady_tok_s([a, b], 2) is None
+    failed = _rec(0.0, [(1.0, 1), (5.0, 1)], error="UNAVAILABLE: gone")
+    ok = _rec(0.0, [(1.5, 1), (6.0, 1)])
+    assert steady_window([failed, ok], 2) is None
+    assert steady_window([], 1) is None
+    # one slot, one request: first token to finish
+    assert steady_window([ok], 1) == (1.5, 6.0) and steady_tok_s([ok], 1) == 1 / 4.5
