@@ -44,6 +44,9 @@ KERNEL_SETS = {
     # split-K GEMVs (the small drafts' o / down projections, the 7B's down at 2..16 rows) summed by
     # a second kernel instead of each tile's last program (gemv.SPLIT_REDUCE_MODES)
     "splitk_separate": dict(fused=True, gemv=True, pdl=True, norm=True, split_reduce="separate"),
+    # the GEMV for steps of up to 64 rows (the default stops at gemv.SERVE_MAX_M = 16, cuBLAS above):
+    # verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32
+    "gemv_m64": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=64),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -65,7 +68,8 @@ def kernel_set(model, name: str):
     reduce = chosen.get("split_reduce", "inline")
     if reduce == "inline" and torch.cuda.is_available():
         gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture
-    with pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce):
+    with (pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce),
+          gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M))):
         yield
 
 

@@ -33,10 +33,14 @@ PROMPT = 128
 BLOCK = 16
 
 
-def ours(model, batch: int, steps: int, max_len: int, loop: bool = True) -> dict:
+def ours(model, batch: int, steps: int, max_len: int, loop: bool = True, query_len: int = 1) -> dict:
+    """replay_ms: device time of the (batch, 1) graph; with query_len > 1 also verify_replay_ms,
+    the (batch, query_len) graph a verification of query_len - 1 drafts replays. loop: the
+    greedy decode loop's step time and tokens/s too."""
     blocks_per_seq = -(-(PROMPT + steps + 8) // BLOCK)
     runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, BLOCK, torch.bfloat16))
-    runner.enable_cuda_graphs(max_model_len=max_len, query_lens=(1,), batch_sizes=(batch,))
+    runner.enable_cuda_graphs(max_model_len=max_len, query_lens=tuple(sorted({1, query_len})),
+                              batch_sizes=(batch,))
     gen = torch.Generator().manual_seed(batch)
     seqs = list(range(batch))
     for s in seqs:
@@ -47,21 +51,25 @@ def ours(model, batch: int, steps: int, max_len: int, loop: bool = True) -> dict
     # Pure device time of a replay at this context (graph launches only).
     graph = runner.graphs.graphs[(batch, 1)].graph
     replay_ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    out = {"replay_ms": replay_ms}
+    if query_len > 1:
+        out["verify_replay_ms"] = do_bench(runner.graphs.graphs[(batch, query_len)].graph.replay,
+                                           warmup=10, rep=100, return_mode="median")
     if not loop:
         del runner
         torch.cuda.empty_cache()
-        return {"replay_ms": replay_ms}
+        return out
     # The whole loop a server runs per token.
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = runner.step([SeqInput(s, [t]) for s, t in zip(seqs, tokens)])
-        tokens = torch.stack([o[-1] for o in out]).argmax(-1).tolist()
+        step = runner.step([SeqInput(s, [t]) for s, t in zip(seqs, tokens)])
+        tokens = torch.stack([o[-1] for o in step]).argmax(-1).tolist()
     torch.cuda.synchronize()
     loop_s = time.perf_counter() - t0
     del runner
     torch.cuda.empty_cache()
-    return {"replay_ms": replay_ms, "step_ms": 1e3 * loop_s / steps, "tok_s": batch * steps / loop_s}
+    return {**out, "step_ms": 1e3 * loop_s / steps, "tok_s": batch * steps / loop_s}
 
 
 def transformers_generate(shape: str, batch: int, new_tokens: int, cache: str | None) -> float:
@@ -107,6 +115,8 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--hf-static", action="store_true",
                     help="also time transformers with a static cache (torch.compile: slow to start)")
+    ap.add_argument("--query-len", type=int, default=1,
+                    help="also replay the (batch, Q) graph of a verification of Q - 1 drafts (default 1: no)")
     ap.add_argument("--sets", nargs="+", default=list(KERNEL_SETS), choices=list(KERNEL_SETS),
                     help="kernel sets to time (replay) beside the default")
     args = ap.parse_args()
@@ -123,7 +133,7 @@ def main() -> int:
     max_len = PROMPT + args.steps + 64
     for b in args.batches:
         with kernel_set(model, "default"):
-            r = {"batch": b, **ours(model, b, args.steps, max_len)}
+            r = {"batch": b, **ours(model, b, args.steps, max_len, query_len=args.query_len)}
         r["floor_ms"] = floor_ms
         r["frac_of_floor"] = floor_ms / r["step_ms"]
         r["replay_frac_of_floor"] = floor_ms / r["replay_ms"]
@@ -134,10 +144,13 @@ def main() -> int:
         for r in rows:
             def measure():
                 with kernel_set(model, name):
-                    return ours(model, r["batch"], args.steps, max_len, loop=False)["replay_ms"]
-            _compare(r, "replay_ms_" + name, measure)
-            if r.get("replay_ms_" + name):
-                r["x_vs_" + name] = r["replay_ms_" + name] / r["replay_ms"]
+                    return ours(model, r["batch"], args.steps, max_len, loop=False, query_len=args.query_len)
+            _compare(r, "replays_" + name, measure)
+            for key in ("replay_ms", "verify_replay_ms"):
+                other = (r.get("replays_" + name) or {}).get(key)
+                r[f"{key}_{name}"] = other
+                if other and r.get(key):
+                    r[("x_vs_" if key == "replay_ms" else "verify_x_vs_") + name] = other / r[key]
         write_result("decode", result)
     del model
     torch.cuda.empty_cache()
@@ -154,8 +167,13 @@ def main() -> int:
     columns = [("batch", "batch", "d"), ("replay_ms", "replay ms", ".2f"), ("floor_ms", "floor ms", ".2f"),
                ("replay_frac_of_floor", "frac floor", ".2f"), ("step_ms", "step ms", ".2f"),
                ("tok_s", "tok/s", ".0f")]
+    if args.query_len > 1:
+        columns += [("verify_replay_ms", f"verify q{args.query_len} ms", ".2f")]
     for name in (n for n in args.sets if n != "default"):
         columns += [("replay_ms_" + name, name + " ms", ".2f"), ("x_vs_" + name, "x vs " + name, ".2f")]
+        if args.query_len > 1:
+            columns += [("verify_replay_ms_" + name, f"{name} verify ms", ".2f"),
+                        ("verify_x_vs_" + name, "verify x vs " + name, ".2f")]
     columns += [("hf_eager_tok_s", "HF eager tok/s", ".0f"), ("speedup_vs_hf_eager", "x HF eager", ".1f"),
                 ("hf_static_tok_s", "HF static tok/s", ".0f"), ("speedup_vs_hf_static", "x HF static", ".1f")]
     print(table(rows, columns))

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from specdec.kernels.gemv import GemvConfig, default_config, gemv  # noqa: E402
+from specdec.kernels.gemv import GemvConfig, block_m_for, default_config, gemv  # noqa: E402
 
 L2_DEFEAT_BYTES = 256 * 2**20
 
@@ -41,7 +41,14 @@ def sweep(m: int) -> list[GemvConfig]:
     if m == 1:  # register loads: more warps is more bytes in flight
         return [GemvConfig(1, bn, bk, split_k=s, num_warps=w) for bn, bk in tiles for s in (1, 2) for w in (4, 8)]
     # cp.async pipeline: deeper is more bytes in flight, at the cost of shared memory (occupancy)
-    return [GemvConfig(16, bn, bk, split_k=s, num_stages=st) for bn, bk in tiles for s in (1, 2) for st in (3, 5)]
+    bm = block_m_for(m)
+    if bm > 16:
+        # 32 / 64-row tiles: every program reads all of x (40 x 4096 bf16 is 320 KB) from L2, so
+        # wider W tiles (fewer programs) cut that traffic; more warps hold the bigger accumulator
+        tiles = [(32, 128), (64, 64), (64, 128), (128, 64), (128, 32), (256, 32)]
+        return [GemvConfig(bm, bn, bk, num_stages=st, num_warps=w) for bn, bk in tiles for st in (3, 4)
+                for w in (4, 8)]
+    return [GemvConfig(bm, bn, bk, split_k=s, num_stages=st) for bn, bk in tiles for s in (1, 2) for st in (3, 5)]
 
 
 def time_per_call(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:

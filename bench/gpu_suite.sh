@@ -70,11 +70,11 @@ for s in "$@"; do
       run trace-steps 60 python3 bench/trace_steps.py /tmp/specdec-trace; keep trace_steps.json ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;
-    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf ${DECODE_SETS:+--sets $DECODE_SETS}
+    decode) run decode "${DECODE_S:-120}" python3 bench/decode.py --steps 64 --no-hf ${DECODE_SETS:+--sets $DECODE_SETS} ${DECODE_ARGS:-}
             keep decode.json ;;
     cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf ${COST_SETS:+--sets $COST_SETS}
           keep cost_coefficient.json ;;
-    gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py --m 1 8; keep gemv.json ;;
+    gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py ${GEMV_ARGS:---m 1 8}; keep gemv.json ;;
     anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py; keep anatomy.json ;;
     # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the all-reduce paths, TP=2 against TP=1
     tests-tp) run tests-tp "${TP_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \

@@ -1,12 +1,14 @@
-"""Skinny GEMM for decode and verify: y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M <= 16 tokens.
+"""Skinny GEMM for decode and verify: y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M <= 64 tokens.
 
 At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32 MB of weight against
 16 KB of activations), so the kernel is built to stream W once, at full width:
 - each program owns BLOCK_N rows of W and walks K in BLOCK_K slices: every row segment is a
   contiguous run of BLOCK_K elements (512 B .. 2 KB), loaded as 16-byte vectors;
 - M == 1 multiplies elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces once at the
-  end (no tensor cores, no padding); 2 <= M <= 16 pads the tokens to 16 rows and uses tl.dot, whose
-  operands the compiler pipelines through shared memory (num_stages deep);
+  end (no tensor cores, no padding); 2 <= M <= 64 pads the tokens to 16, 32 or 64 rows and uses
+  tl.dot, whose operands the compiler pipelines through shared memory (num_stages deep). M up to 64
+  covers verification at batch 8 with up to 7 drafts (8 x (γ + 1) rows), which cuBLAS served before
+  (its GEMMs at M = 40 read the 7B's weights at ~60% of the copy bandwidth in the verify forward);
 - BLOCK_N shrinks for small N so that there are programs for every SM; where even the smallest
   BLOCK_N leaves SMs idle, K is split over a second grid axis: each program stores its fp32 partial,
   and the last of an N tile's programs to arrive (an atomic count per tile) sums them in split order
@@ -43,7 +45,8 @@ import triton.language as tl
 from specdec.kernels import pdl
 from specdec.kernels.counters import arrival_counters
 
-MAX_M = 16
+MAX_M = 64
+BLOCK_MS = (1, 16, 32, 64)   # the row tiles: M = 1 without tl.dot, else M padded to a power of two
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_DTYPES = (torch.bfloat16, torch.float32)   # gemv(norm=...): bf16's range holds x * weight
 
@@ -274,9 +277,9 @@ class GemvConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if self.block_m not in (1, 16) or self.split_k < 1:
-            raise ValueError(f"GemvConfig: block_m {self.block_m} must be 1 or 16, split_k >= 1")
-        if self.block_m == 16 and (self.block_n < 16 or self.block_k < 16):
+        if self.block_m not in BLOCK_MS or self.split_k < 1:
+            raise ValueError(f"GemvConfig: block_m {self.block_m} must be one of {BLOCK_MS}, split_k >= 1")
+        if self.block_m > 1 and (self.block_n < 16 or self.block_k < 16):
             raise ValueError("GemvConfig: tl.dot needs block_n, block_k >= 16")
         if any(b & (b - 1) or b < 1 for b in (self.block_n, self.block_k)):
             raise ValueError(f"GemvConfig: blocks {self.block_n} x {self.block_k} must be powers of two")
@@ -287,6 +290,11 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: pick what an H200 would
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_m_for(m: int) -> int:
+    """The row tile of M tokens: 1 (no tl.dot) or M rounded up to a power of two, at least 16."""
+    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
@@ -307,7 +315,7 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
         blocks = triton.cdiv(k, block_k)
         per = max(1, blocks // triton.cdiv(num_sms, tiles), triton.cdiv(blocks, 16))
         split = triton.cdiv(blocks, per)
-    return GemvConfig(block_m=1 if m == 1 else 16, block_n=block_n, block_k=block_k, split_k=split,
+    return GemvConfig(block_m=block_m_for(m), block_n=block_n, block_k=block_k, split_k=split,
                       num_warps=warps, num_stages=stages)
 
 
@@ -365,7 +373,7 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, epilogue: str | None = None, *,
          residual: torch.Tensor | None = None, norm: "NormInput | None" = None):
-    """x: [M, K] with M <= 16, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
+    """x: [M, K] with M <= 64, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
     dtype. epilogue="silu_mul": weight is [2I, K] (gate rows, then up rows) and the result is
     SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
     the Triton kernel (the interpreter on a CPU); `linear` is the dispatching entry.
@@ -413,7 +421,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     # The tile (rows of W per program) is the plain GEMV's over all rows: the same bytes per program.
     cfg = config or default_config(m, rows, k, _num_sms(x.device))
-    if (m == 1) != (cfg.block_m == 1):
+    if (m == 1) != (cfg.block_m == 1) or cfg.block_m < m:
         raise ValueError(f"gemv: config block_m {cfg.block_m} does not serve M = {m}")
     if glu and cfg.block_n < 2:
         raise ValueError("gemv: the silu_mul epilogue needs block_n >= 2 (gate and up rows)")
@@ -452,15 +460,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            on_cpu: bool = False) -> torch.Tensor:
     """F.linear, on the GEMV kernel where it serves: CUDA (or on_cpu, for interpreter tests), 2-D
-    after flattening, M <= 16, matching 16/32-bit dtypes. Anything else is F.linear's."""
+    after flattening, M <= MAX_M, matching 16/32-bit dtypes. Anything else is F.linear's."""
     if not _serves(x, weight, bias, on_cpu):
         return F.linear(x, weight, bias)
     return _on_rows(x, weight, bias)
 
 
+# The most rows `linear` (and GemvOps) hand to the kernel; above it, cuBLAS. The kernel serves up to
+# MAX_M, but on the H200 (bench/gemv.py --m 40, session 18) its default 64-row tiles lost to cuBLAS
+# at 40 rows (the 7B's projections 4.68 vs 4.28 ms a step; the sweep's best per projection 4.20),
+# so steps of 17..64 rows stay on cuBLAS until a tile wins: the kernel set gemv_m64 of
+# bench/common.py (serve_max_m_forced(64)) times them. Read when a step's ops run: a CUDA graph
+# keeps the path it was captured with.
+SERVE_MAX_M = 16
+_serve_max_m = SERVE_MAX_M
+
+
+@contextlib.contextmanager
+def serve_max_m_forced(m: int):
+    """Dispatch steps of at most m rows to the kernel inside the block (1 <= m <= MAX_M)."""
+    global _serve_max_m
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"serve_max_m_forced: {m} outside 1..{MAX_M}")
+    old, _serve_max_m = _serve_max_m, m
+    try:
+        yield
+    finally:
+        _serve_max_m = old
+
+
 def _serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on_cpu: bool) -> bool:
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return ((x.is_cuda or on_cpu) and m <= MAX_M and x.dtype == weight.dtype and x.dtype in _DTYPES
+    return ((x.is_cuda or on_cpu) and m <= _serve_max_m and x.dtype == weight.dtype and x.dtype in _DTYPES
             and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] != 0
             and (bias is None or bias.dtype == x.dtype))
 
@@ -488,7 +519,7 @@ def _check_norm(norm: "NormInput | None", x: torch.Tensor) -> None:
 # producer program at M = 1 (the 7B's o_proj has 512); 16-row tiles keep 128 (2048 fp32 values
 # held across the loop). H200, b 1: the consumer's sums loaded 64 at a time in front of the loop
 # cost the 7B decode 4083 us against 3716 without the fusion; all at once 3738, after the loop 3727.
-PARTS_AHEAD = {1: 1024, 16: 128}
+PARTS_AHEAD = {1: 1024, 16: 128, 32: 64, 64: 32}
 
 
 def _norm_args(norm: "NormInput | None", dummy: torch.Tensor, block_m: int) -> tuple:

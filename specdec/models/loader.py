@@ -21,7 +21,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
                 gemv_kernels: bool | None = None) -> LlamaModel:
     """An uninitialised model (weights are whatever memory held) on device in dtype. fused_kernels:
     Triton norm/RoPE/SiLU kernels; gemv_kernels: the Triton GEMV for the linear layers of steps with
-    <= 16 tokens (H200, Llama-7B bf16: graph replay 3.91 ms vs 4.26 ms on cuBLAS at batch 1, 4.11 vs
+    <= gemv.SERVE_MAX_M (16) tokens (H200, Llama-7B bf16: graph replay 3.91 ms vs 4.26 ms on cuBLAS at batch 1, 4.11 vs
     4.37 at batch 8, equal at 32; bench/results/decode.json). None = on CUDA devices only."""
     on_cuda = torch.device(device).type == "cuda"
     fused_kernels = on_cuda if fused_kernels is None else fused_kernels

@@ -43,12 +43,13 @@ def variants():
     gemv_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
                   "R": "*bf16", "SS": "*fp32", "NW": "*bf16", "eps": "fp32"}
     for (bm, bn, bk, warps, stages), split, glu in itertools.product(
-            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [1, 4], [False, True]):
+            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5), (64, 32, 128, 4, 5)], [1, 4], [False, True]):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=glu, EVEN_K=split == 1,
                  UPCAST=False, USE_PDL=True, GLU=glu, RES_OUT=False, NORM_IN=False, BLOCK_P=16)
         yield f"gemv M{bm} split{split} glu={glu}", gemv._gemv_kernel, gemv_types, c, warps, stages
     for (bm, bn, bk, warps, stages), (glu, res) in itertools.product(
-            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [(False, False), (True, False), (False, True)]):
+            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5), (64, 32, 128, 4, 5)],
+            [(False, False), (True, False), (False, True)]):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=4, HAS_BIAS=glu, EVEN_K=False, UPCAST=False,
                  USE_PDL=True, GLU=glu, RES_OUT=res, NORM_IN=False, BLOCK_P=16, INLINE_REDUCE=True)
         yield f"gemv M{bm} split4 inline reduce glu={glu} residual={res}", gemv._gemv_kernel, gemv_types, c, warps, stages

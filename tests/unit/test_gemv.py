@@ -33,7 +33,7 @@ def _err(y, x, w, b):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 40, 64])
 @pytest.mark.parametrize("split", [1, 3], ids=["one-split", "split-k3"])
 def test_gemv_matches_float64(device, dtype, m, split):
     n, k = 37, 200  # neither a multiple of any block: masked rows and a ragged last K step
@@ -64,20 +64,24 @@ def test_gemv_strided_input_and_empty_shapes():
 
 def test_gemv_rejects_what_it_does_not_serve():
     x, w, _ = _operands(MAX_M + 1, 8, 16, torch.float32, "cpu", bias=False)
-    with pytest.raises(ValueError, match="M <= 16"):
+    with pytest.raises(ValueError, match="M <= 64"):
         gemv(x, w)
     with pytest.raises(ValueError, match="dtype|must be one of"):
         gemv(x[:2], w.double())
     with pytest.raises(ValueError, match="block_m"):
         gemv(x[:1], w, config=GemvConfig(16, 16, 16))
+    with pytest.raises(ValueError, match="block_m 16 does not serve M = 17"):  # fewer rows than tokens
+        gemv(x[:17], w, config=GemvConfig(16, 16, 16))
+    with pytest.raises(ValueError, match="block_m 48"):
+        GemvConfig(48, 16, 16)
 
 
 def test_default_config_splits_k_only_where_n_cannot_fill_the_sms():
-    for m in (1, 4, 8):
+    for m in (1, 4, 8, 20, 40, 64):
         for n, k in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]:
             cfg = default_config(m, n, k, 132)
             tiles = -(-n // cfg.block_n)
-            assert cfg.block_m == (1 if m == 1 else 16)
+            assert cfg.block_m == {1: 1, 4: 16, 8: 16, 20: 32, 40: 64, 64: 64}[m]
             if tiles >= 132:
                 assert cfg.split_k == 1, (m, n, k, cfg)
             else:  # 4096 / 32 = 128 tiles at M > 1: split in two
@@ -102,6 +106,27 @@ def test_linear_dispatch():
     assert got.shape == (3, 1, 24) and _err(got.view(3, 24), x, w, b) < TOL[torch.float32]
     big, _, _ = _operands(MAX_M + 1, 24, 40, torch.float32, "cpu", bias=False)
     assert torch.equal(linear(big, w, on_cpu=True), F.linear(big, w))
+
+
+def test_linear_dispatch_bound_and_its_override(monkeypatch):
+    """By default steps of up to SERVE_MAX_M (16) rows go to the kernel and 40 rows (verification at
+    b 8, γ 4) to F.linear; under serve_max_m_forced(64) (the kernel set gemv_m64) the 40 rows go to
+    the kernel too, and the bound comes back after the block."""
+    calls = []
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[0].shape[0]) or F.linear(*a[:2]))
+    x, w, _ = _operands(40, 24, 40, torch.float32, "cpu", bias=False)
+    assert gemv_module.SERVE_MAX_M == 16
+    linear(x, w, on_cpu=True)
+    linear(x[:16], w, on_cpu=True)
+    assert calls == [16]
+    with gemv_module.serve_max_m_forced(64):
+        linear(x, w, on_cpu=True)
+    assert calls == [16, 40]
+    linear(x, w, on_cpu=True)
+    assert calls == [16, 40]
+    with pytest.raises(ValueError, match="outside"):
+        with gemv_module.serve_max_m_forced(MAX_M + 1):
+            pass
 
 
 def test_gemv_is_off_on_the_cpu_by_default_and_composes_with_the_layer_ops():

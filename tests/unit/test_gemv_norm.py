@@ -125,17 +125,17 @@ def test_the_model_with_the_fusion_gives_the_separate_kernels_logits(device, dty
 
 
 def test_steps_the_gemv_does_not_serve_fall_back_to_the_separate_ops():
-    """17 tokens (above MAX_M): cuBLAS-sized projections, no RowLinear or PendingNorm reaches a
+    """65 tokens (above MAX_M): cuBLAS-sized projections, no RowLinear or PendingNorm reaches a
     kernel; logits as without the fusion."""
     model = _model("cpu", torch.float32)
     _set_norm(model, False, "cpu")
     runner = new_runner(model, torch.float32)
     runner.add_sequence("a")
-    want = torch.cat(runner.step([SeqInput("a", list(range(1, 18)), num_logits=2)]))
+    want = torch.cat(runner.step([SeqInput("a", [1 + i % 60 for i in range(65)], num_logits=2)]))
     _set_norm(model, True, "cpu")
     runner = new_runner(model, torch.float32)
     runner.add_sequence("a")
-    got = torch.cat(runner.step([SeqInput("a", list(range(1, 18)), num_logits=2)]))
+    got = torch.cat(runner.step([SeqInput("a", [1 + i % 60 for i in range(65)], num_logits=2)]))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 

@@ -132,13 +132,13 @@ def test_consumer_gives_the_formulas_bits_where_its_sums_are_exact(m, k):
                            gemv(xn * rstd, both, config=cfg, epilogue="silu_mul"))
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 40])
 @pytest.mark.parametrize("parts", [1, 63, 64, 65, 128, 129, 1024, 1025])
 def test_consumer_sums_any_number_of_partials(m, parts):
-    """The consumer loads PARTS_AHEAD partial sums before its K loop (1024 at M = 1, 128 at
-    M > 1) and any further ones after it: 1 to 1025 partials, the squares split unevenly between
-    them (a partition of the row's columns)."""
-    assert PARTS_AHEAD == {1: 1024, 16: 128}
+    """The consumer loads PARTS_AHEAD partial sums before its K loop (1024 at M = 1, 128 with
+    16-row tiles, fewer with wider ones) and any further ones after it: 1 to 1025 partials, the
+    squares split unevenly between them (a partition of the row's columns)."""
+    assert PARTS_AHEAD == {1: 1024, 16: 128, 32: 64, 64: 32}
     gen = torch.Generator().manual_seed(parts)
     k = 1040
     r = torch.randn(m, k, generator=gen)
