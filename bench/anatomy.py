@@ -49,6 +49,7 @@ from services import write_shape_folder  # noqa: E402
 from specdec.config import EngineConfig  # noqa: E402
 from specdec.engine import DraftEngine, TargetEngine  # noqa: E402
 from specdec.engine.types import DraftSeqInput, VerifySeqInput  # noqa: E402
+from specdec.runner import SeqInput  # noqa: E402
 
 PROMPT = 128
 JOIN_PROMPT = 100  # a request joining a running batch: its prompt beside the others' verifies
@@ -154,6 +155,26 @@ def chain_ms(engine, b: int) -> float | None:
     return do_bench(run, warmup=5, rep=40, return_mode="median")
 
 
+def prepare_ms(engine, seq_ids: list[int], q: int, reps: int = 30) -> float:
+    """Host milliseconds of the runner's prepare for q new tokens of each sequence (slot
+    reservation, the batch's host lists, staging into a graph's inputs where one fits), median of
+    reps; each sequence is truncated back after every call. Inside the engine's forward span the
+    GPU waits for it: the span's excess over a graph replay."""
+    runner = engine.runner
+    items = [SeqInput(s, [1] * q, q) for s in seq_ids]
+    before = [runner.num_tokens(s) for s in seq_ids]
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.prepare(items)
+        samples.append(time.perf_counter() - t0)
+        for s, n in zip(seq_ids, before):
+            runner.truncate(s, n)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return 1e3 * statistics.median(samples)
+
+
 def med_ms(samples: list[dict], key: str) -> float:
     return 1e3 * statistics.median(s[key] for s in samples)
 
@@ -175,6 +196,9 @@ def measure(draft, target, b: int, k: int, steps: int, seed: int, replays: bool 
     rng = random.Random(seed)
     joins = [loop.spec(join=[rng.randrange(target.vocab_size) for _ in range(JOIN_PROMPT)])
              for _ in range(8)]
+    if replays:   # (a tensor-parallel target is a proxy of its ranks: no runner here)
+        row.update(prepare_t1_ms=prepare_ms(target, loop.ids, 1), prepare_tk_ms=prepare_ms(target, loop.ids, k + 1),
+                   prepare_d1_ms=prepare_ms(draft, loop.ids, 1))
     loop.close()
     row.update(plain_wall_ms=med_ms(plain, "target_wall"), plain_fwd_ms=med_ms(plain, "target_fwd"),
                draft_wall_ms=med_ms(spec, "draft_wall"), draft_fwd_ms=med_ms(spec, "draft_fwd"),
@@ -248,6 +272,8 @@ def main() -> int:
                        ("plain_wall_ms", "plain wall", ".3f"), ("plain_fwd_ms", "plain fwd", ".3f"),
                        ("draft_wall_ms", "draft wall", ".3f"), ("draft_fwd_ms", "draft fwd", ".3f"),
                        ("verify_wall_ms", "verify wall", ".3f"), ("verify_fwd_ms", "verify fwd", ".3f"),
+                       ("prepare_t1_ms", "prepare t q1", ".3f"), ("prepare_tk_ms", f"prepare t q{a.k + 1}", ".3f"),
+                       ("prepare_d1_ms", "prepare d", ".3f"),
                        ("verify_over_decode", "verify/decode", ".2f"),
                        ("join_wall_ms", f"join {JOIN_PROMPT} wall", ".3f"),
                        ("tokens_per_step", "tok/step", ".2f"),

@@ -261,6 +261,10 @@ def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]]
         target = spawn_server("target", target_path, log_root, device=target_dev,
                               args=args + list(target_args) + shlex.split(a.target_args))
         procs.append(target)
+        # Up before any draft starts: a server times its decode profile (c's inputs) at start-up,
+        # and one started beside the other's warm-up can time it on a busy GPU (session 18: the 68m
+        # draft's b 1 forward logged 0.405 ms in a run that started both together, 0.17 before).
+        wait_healthy(target, a.startup_timeout)
         draft = None
         for i, (dlabel, dpath) in enumerate(drafts):
             name = f"{label}/{dlabel}" if dlabel else label
@@ -274,8 +278,7 @@ def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]]
             draft = spawn_server("draft", dpath, log_dir, device=draft_dev,
                                  args=args + list(draft_args) + shlex.split(a.draft_args))
             procs.append(draft)
-            for proc in (target, draft):
-                wait_healthy(proc, a.startup_timeout)
+            wait_healthy(draft, a.startup_timeout)
             rows += measure(a, name, gpus, target, draft, batches, prompts, log_dir)
     finally:
         stop_all(procs)
