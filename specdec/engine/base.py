@@ -42,6 +42,12 @@ def device_uuids(device: torch.device) -> tuple[str, ...]:
 
 
 WARMUP_CONTEXT = 16  # tokens of context behind the timed single-token forward
+# Timed single-token forwards per warm-up batch size on CUDA (their median seeds the decode
+# profile, the t(b, 1) that c is built on). A small draft's forward is ~0.1 ms of replay and about
+# as much host work around it, so 3 of them gave a noisy median: the 68m draft's b 1 profile read
+# 0.17 to 0.40 ms in four H200 e2e runs of session 18 (c at b 1 from 0.045 to 0.098). 25 cost the
+# 7B target ~0.1 s per batch size. The CPU (tests, the demo) keeps 3.
+WARMUP_REPEATS_CUDA = 25
 # Prefill shapes run at start-up on CUDA (capped by max_model_len and the free KV). Powers of two:
 # the attention tile is picked from next_power_of_2(query length x query group), so these reach
 # every tile of tile_config for any group, up to past the coordinator's 512-token chunks. Batch 2
@@ -268,13 +274,15 @@ class ModelEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def warm_up(self, repeats: int = 3, prompt_lens: Sequence[int] | None = None) -> dict[int, float]:
+    def warm_up(self, repeats: int | None = None, prompt_lens: Sequence[int] | None = None) -> dict[int, float]:
         """Runs before the server reports SERVING. First untimed prefill forwards (see
         _warm_prefill; prompt_lens None: WARMUP_PROMPT_LENS on CUDA, none on the CPU, which
         compiles nothing), then times one single-token forward at each warm-up batch size (median
-        of `repeats`, after one untimed run that pays for lazy initialisation) and seeds the decode
-        profile with it."""
+        of `repeats`, default WARMUP_REPEATS_CUDA on CUDA and 3 elsewhere, after one untimed run
+        that pays for lazy initialisation) and seeds the decode profile with it."""
         t0 = time.perf_counter()
+        if repeats is None:
+            repeats = WARMUP_REPEATS_CUDA if self.device.type == "cuda" else 3
         if prompt_lens is None:
             prompt_lens = WARMUP_PROMPT_LENS if self.device.type == "cuda" else ()
         prefills = self._warm_prefill(prompt_lens)
