@@ -142,6 +142,28 @@ def replay_ms(engine, b: int, q: int) -> float | None:  # None: no such graph (o
     return do_bench(g.graph.replay, warmup=5, rep=40, return_mode="median") if g is not None else None
 
 
+def launch_ms(engine, b: int, q: int, reps: int = 20) -> tuple[float | None, float | None]:
+    """A replay started on an idle GPU, as a server's step starts one: (host ms of the replay()
+    call, device ms from an event recorded just before it to one just after). The span's excess
+    over replay_ms (back-to-back replays, where each launch hides behind the previous replay) is
+    what launching the graph costs the step. None without the graph."""
+    g = engine.runner.graphs.graphs.get((b, q)) if engine.runner.graphs is not None else None
+    if g is None:
+        return None, None
+    host, spans = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        g.graph.replay()
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        spans.append(start.elapsed_time(end))
+    return 1e3 * statistics.median(host), statistics.median(spans)
+
+
 def chain_ms(engine, b: int) -> float | None:
     chains = engine.runner.graphs.chains if engine.runner.graphs is not None else {}
     c = chains.get(b)
@@ -184,6 +206,9 @@ def measure(draft, target, b: int, k: int, steps: int, seed: int, replays: bool 
            "replay_t1_ms": replay_ms(target, b, 1) if replays else None,
            "replay_tk_ms": replay_ms(target, b, k + 1) if replays else None,
            "replay_d1_ms": replay_ms(draft, b, 1), "chain_d_ms": chain_ms(draft, b)}
+    if replays:
+        row["launch_tk_host_ms"], row["launch_tk_span_ms"] = launch_ms(target, b, k + 1)
+        row["launch_d1_host_ms"], row["launch_d1_span_ms"] = launch_ms(draft, b, 1)
     loop = Loop(draft, target, b, k, seed)
     for _ in range(4):
         loop.plain()
@@ -228,6 +253,29 @@ def profile(draft, target, b: int, k: int) -> str:
                                           max_name_column_width=60)])
 
 
+def host_profile(draft, target, b: int, k: int, steps: int = 32) -> str:
+    """cProfile of `steps` speculative steps at batch b (after 4 unprofiled ones): the engines'
+    Python by function, top 30 by own time, then by cumulative time. Where the draft's host time
+    goes (its wall time is several times its replays' device time)."""
+    import cProfile
+    import io
+    import pstats
+    loop = Loop(draft, target, b, k, seed=98)
+    for _ in range(4):
+        loop.spec()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        loop.spec()
+    prof.disable()
+    loop.close()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    return f"cProfile of {steps} speculative steps at batch {b}\n" + out.getvalue()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="llama-7b")
@@ -238,6 +286,8 @@ def main() -> int:
     p.add_argument("--agreement", type=float, default=0.8,
                    help="drafts built to agree with the target this often (-1: plain random weights)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true",
+                   help="cProfile of 32 speculative steps per batch size (the engines' Python by function)")
     p.add_argument("--graph-prefill-lens", default=None,
                    help="comma-separated prompt-chunk lengths to graph, or 'none' (default: the engine's)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of small shapes (no graphs)")
@@ -265,6 +315,10 @@ def main() -> int:
     if prof:
         print(prof)
         result["profile"] = prof
+    if a.host_profile:
+        result["host_profile"] = {b: host_profile(draft, target, b, a.k) for b in a.batches}
+        for text in result["host_profile"].values():
+            print(text)
     path = write_result("anatomy", result)
     print(table(rows, [("batch", "b", "d"), ("replay_t1_ms", "replay t q1", ".3f"),
                        ("replay_tk_ms", f"replay t q{a.k + 1}", ".3f"),
@@ -274,6 +328,9 @@ def main() -> int:
                        ("verify_wall_ms", "verify wall", ".3f"), ("verify_fwd_ms", "verify fwd", ".3f"),
                        ("prepare_t1_ms", "prepare t q1", ".3f"), ("prepare_tk_ms", f"prepare t q{a.k + 1}", ".3f"),
                        ("prepare_d1_ms", "prepare d", ".3f"),
+                       ("launch_tk_host_ms", f"launch t q{a.k + 1} host", ".3f"),
+                       ("launch_tk_span_ms", f"launch t q{a.k + 1} span", ".3f"),
+                       ("launch_d1_host_ms", "launch d host", ".3f"), ("launch_d1_span_ms", "launch d span", ".3f"),
                        ("verify_over_decode", "verify/decode", ".2f"),
                        ("join_wall_ms", f"join {JOIN_PROMPT} wall", ".3f"),
                        ("tokens_per_step", "tok/step", ".2f"),

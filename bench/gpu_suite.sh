@@ -75,7 +75,7 @@ for s in "$@"; do
     cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf ${COST_SETS:+--sets $COST_SETS}
           keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py ${GEMV_ARGS:---m 1 8}; keep gemv.json ;;
-    anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py; keep anatomy.json ;;
+    anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py ${ANATOMY_ARGS:-}; keep anatomy.json ;;
     # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the all-reduce paths, TP=2 against TP=1
     tests-tp) run tests-tp "${TP_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                 tests/gpu/test_collectives_gpu.py tests/gpu/test_tensor_parallel_gpu.py ;;
