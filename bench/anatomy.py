@@ -276,15 +276,20 @@ def host_profile(draft, target, b: int, k: int, steps: int = 32) -> str:
     return f"cProfile of {steps} speculative steps at batch {b}\n" + out.getvalue()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pair_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The engines' arguments (shapes, batch sizes, γ, steps, agreement): this script's and gaps.py's."""
     p.add_argument("--target", default="llama-7b")
     p.add_argument("--draft", default="llama-68m")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--agreement", type=float, default=0.8,
                    help="drafts built to agree with the target this often (-1: plain random weights)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pair_args(p, steps=48)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--host-profile", action="store_true",
                    help="cProfile of 32 speculative steps per batch size (the engines' Python by function)")

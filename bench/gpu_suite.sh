@@ -9,7 +9,7 @@
 #         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), e2e-trace
 #         (the transport's parts per call: bench/trace_steps.py; TRACE_ARGS, default --drafts llama-68m), wakeup
 #         (how fast a process notices a frame, by how it waits: bench/wakeup.py), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
-#         anatomy, tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
+#         anatomy (ANATOMY_ARGS), gaps (where the GPU waits in a speculative step; GAPS_ARGS), tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
@@ -75,6 +75,7 @@ for s in "$@"; do
     cost) run cost "${COST_S:-150}" python3 bench/cost_coefficient.py --no-hf ${COST_SETS:+--sets $COST_SETS}
           keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py ${GEMV_ARGS:---m 1 8}; keep gemv.json ;;
+    gaps) run gaps "${GAPS_S:-150}" python3 bench/gaps.py ${GAPS_ARGS:-}; keep gaps.json ;;
     anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py ${ANATOMY_ARGS:-}; keep anatomy.json ;;
     # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the all-reduce paths, TP=2 against TP=1
     tests-tp) run tests-tp "${TP_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \

@@ -1,0 +1,197 @@
+"""Where the GPU waits during speculative steps, and what the host is doing meanwhile.
+
+    python3 bench/gaps.py [--target llama-7b] [--draft llama-68m] [--batches 1 8] [--k 4] [--steps 16]
+
+The draft and target engines in one process (anatomy.py's engines and loop, no gRPC) run
+speculative steps under torch.profiler. Engine methods are wrapped in named ranges (WRAPPED); from
+the trace, per step: the GPU's busy time (the union of kernels, copies and memsets), its idle
+time, and each idle microsecond charged to the innermost named range open on the host at that
+moment ("(none)": between ranges, e.g. the loop's own Python). Session 18's anatomy had a
+speculative step at b 8 take 6.7 ms in process for ~4.9 ms of device work, and the target's forward
+span 0.2-0.4 ms longer than its prepare plus a replay; this says which host work the GPU waits on.
+Medians per step over --steps steps. Writes bench/results/gaps.json (and keeps the Chrome trace of
+the first batch size in bench/results/gaps_trace_b<B>.json.gz with --keep-trace).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gzip
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import ROOT, environment, table, write_result
+
+import torch  # noqa: E402
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")   # Chrome-trace categories of device activity
+STEP = "spec_step"
+# (label, module, class, method): the ranges each step is cut into.
+WRAPPED = [
+    ("draft.propose", "specdec.engine.draft", "DraftEngine", "propose"),
+    ("target.verify", "specdec.engine.target", "TargetEngine", "verify"),
+    ("admit_step", "specdec.engine.base", "ModelEngine", "admit_step"),
+    ("draft._draft", "specdec.engine.draft", "DraftEngine", "_draft"),
+    ("draft._to_host", "specdec.engine.draft", "DraftEngine", "_to_host"),
+    ("target._score", "specdec.engine.target", "TargetEngine", "_score"),
+    ("runner.prepare", "specdec.runner", "ModelRunner", "prepare"),
+    ("graphs.stage", "specdec.cuda_graphs", "GraphedForward", "stage"),
+    ("graphs.replay", "specdec.cuda_graphs", "GraphedForward", "_replay_staged"),
+    ("graphs.chain", "specdec.cuda_graphs", "GraphedForward", "chain"),
+    ("runner.greedy_chain", "specdec.runner", "ModelRunner", "greedy_chain"),
+]
+
+
+@contextlib.contextmanager
+def wrapped(specs=WRAPPED):
+    """Each method runs inside torch.profiler.record_function(label) for the block's duration."""
+    import importlib
+    saved = []
+    try:
+        for label, module, cls_name, method in specs:
+            cls = getattr(importlib.import_module(module), cls_name)
+            original = cls.__dict__[method]
+
+            def make(fn, name):
+                @functools.wraps(fn)
+                def inner(*args, **kwargs):
+                    with torch.profiler.record_function(name):
+                        return fn(*args, **kwargs)
+                return inner
+            if isinstance(original, staticmethod):
+                setattr(cls, method, staticmethod(make(original.__func__, label)))
+            else:
+                setattr(cls, method, make(original, label))
+            saved.append((cls, method, original))
+        yield
+    finally:
+        for cls, method, original in reversed(saved):
+            setattr(cls, method, original)
+
+
+def trace_events(trace: dict) -> tuple[list[tuple[float, float]], list[tuple[str, float, float]]]:
+    """(device intervals, host ranges) of a Chrome trace: (start, end) in us of every kernel, copy and
+    memset; (name, start, end) of every record_function range on the host."""
+    device, host = [], []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if e.get("cat") in GPU_CATS:
+            device.append((start, end))
+        elif e.get("cat") == "user_annotation":
+            host.append((e["name"], start, end))
+    return device, host
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def attribute(window: tuple[float, float], device: list[tuple[float, float]],
+              ranges: list[tuple[str, float, float]]) -> dict:
+    """Within `window`: device busy time, idle time, and the idle time charged to the innermost
+    (shortest) host range open at each instant ("(none)" where none is). Times in us."""
+    w0, w1 = window
+    busy = [(max(s, w0), min(e, w1)) for s, e in merge(device) if e > w0 and s < w1]
+    idle, t = [], w0
+    for s, e in busy:
+        if s > t:
+            idle.append((t, s))
+        t = max(t, e)
+    if t < w1:
+        idle.append((t, w1))
+    inside = [(n, max(s, w0), min(e, w1)) for n, s, e in ranges if e > w0 and s < w1]
+    charged: dict[str, float] = {}
+    for g0, g1 in idle:
+        cuts = sorted({g0, g1} | {x for _, s, e in inside for x in (s, e) if g0 < x < g1})
+        for a, b in zip(cuts, cuts[1:]):
+            mid = (a + b) / 2
+            open_ = [(e - s, n) for n, s, e in inside if s <= mid < e]
+            label = min(open_)[1] if open_ else "(none)"
+            charged[label] = charged.get(label, 0.0) + (b - a)
+    return {"window_us": w1 - w0, "busy_us": sum(e - s for s, e in busy),
+            "idle_us": sum(e - s for s, e in idle), "idle_by_range_us": charged}
+
+
+def per_step(trace: dict) -> list[dict]:
+    """attribute() for each STEP range of the trace, in time order."""
+    device, host = trace_events(trace)
+    steps = sorted((s, e) for n, s, e in host if n == STEP)
+    ranges = [r for r in host if r[0] != STEP]
+    return [attribute(w, device, ranges) for w in steps]
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Medians per step: window, busy, idle, and idle per range (0 where a step had none)."""
+    labels = sorted({k for s in steps for k in s["idle_by_range_us"]})
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"steps": len(steps), "window_us": med([s["window_us"] for s in steps]),
+            "busy_us": med([s["busy_us"] for s in steps]), "idle_us": med([s["idle_us"] for s in steps]),
+            "idle_by_range_us": {k: med([s["idle_by_range_us"].get(k, 0.0) for s in steps]) for k in labels}}
+
+
+def profile_steps(loop, steps: int) -> dict:
+    """A Chrome trace (as a dict) of `steps` speculative steps of an anatomy.Loop."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with wrapped(), profile(activities=acts) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function(STEP):
+                loop.spec()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def main() -> int:
+    from anatomy import Loop, PROMPT, engines, pair_args
+    from services import write_shape_folder
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pair_args(p, steps=16)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run (no device events)")
+    p.add_argument("--keep-trace", action="store_true")
+    a = p.parse_args()
+    max_len = PROMPT + (a.steps + 8) * (a.k + 1) + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
+        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
+        draft, target = engines(t_dir, d_dir, a.agreement, max_len, a.k, a.device, a.batches, None)
+    rows = []
+    for i, b in enumerate(a.batches):
+        loop = Loop(draft, target, b, a.k, seed=i)
+        for _ in range(4):
+            loop.spec()
+        trace = profile_steps(loop, a.steps)
+        loop.close()
+        if a.keep_trace and i == 0:
+            with gzip.open(ROOT / "bench" / "results" / f"gaps_trace_b{b}.json.gz", "wt") as f:
+                json.dump(trace, f)
+        rows.append({"batch": b, **summarize(per_step(trace))})
+        print(f"batch {b}: {rows[-1]}", flush=True)
+    path = write_result("gaps", {"benchmark": "gaps", "environment": environment(), "target": a.target,
+                                 "draft": a.draft, "k": a.k, "steps": a.steps, "rows": rows})
+    labels = sorted({k for r in rows for k in r["idle_by_range_us"]},
+                    key=lambda k: -max(r["idle_by_range_us"].get(k) or 0.0 for r in rows))
+    flat = [{"batch": r["batch"], "window": r["window_us"], "busy": r["busy_us"], "idle": r["idle_us"],
+             **{k: r["idle_by_range_us"].get(k) for k in labels}} for r in rows]
+    print("\nus per speculative step (medians): the step's wall time, the GPU's busy and idle time, "
+          "and the idle time by the innermost host range open meanwhile")
+    print(table(flat, [("batch", "b", "d"), ("window", "step", ".0f"), ("busy", "GPU busy", ".0f"),
+                       ("idle", "GPU idle", ".0f")] + [(k, k, ".0f") for k in labels]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""bench/gaps.py's accounting: device idle time inside a step charged to the innermost host range
+open at each instant, from a Chrome trace; and its method wrappers come off again."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import gaps  # noqa: E402
+
+
+def _x(name, cat, ts, dur):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_idle_time_goes_to_the_innermost_open_range():
+    # One step 0..100. Device: a copy 10..12 and kernels 12..40 and 30..50 (overlapping), 80..90.
+    # Host: verify 0..100 holds prepare 2..20 and score 60..95; nothing outside them.
+    trace = {"traceEvents": [
+        _x(gaps.STEP, "user_annotation", 0, 100),
+        _x("target.verify", "user_annotation", 0, 100),
+        _x("runner.prepare", "user_annotation", 2, 18),
+        _x("target._score", "user_annotation", 60, 35),
+        _x("memcpy", "gpu_memcpy", 10, 2), _x("k1", "kernel", 12, 28), _x("k2", "kernel", 30, 20),
+        _x("k3", "kernel", 80, 10),
+        _x("ignored: not complete", "kernel", 0, 0) | {"ph": "i"},
+        _x("a host op, not a range", "cpu_op", 0, 100),
+    ]}
+    (step,) = gaps.per_step(trace)
+    assert step["window_us"] == 100 and step["busy_us"] == 40 + 10 and step["idle_us"] == 50
+    # idle 0..10: verify 0..2, prepare 2..10; 50..80: verify 50..60, score 60..80; 90..100: score 90..95, verify 95..100
+    assert step["idle_by_range_us"] == {"target.verify": 2 + 10 + 5, "runner.prepare": 8, "target._score": 20 + 5}
+    assert sum(step["idle_by_range_us"].values()) == step["idle_us"]
+
+
+def test_steps_are_windows_of_their_own_and_gaps_outside_ranges_are_none():
+    trace = {"traceEvents": [
+        _x(gaps.STEP, "user_annotation", 0, 10), _x(gaps.STEP, "user_annotation", 20, 10),
+        _x("k", "kernel", 5, 20),          # spans the end of step 1 and the start of step 2
+        _x("draft.propose", "user_annotation", 26, 2),
+    ]}
+    one, two = gaps.per_step(trace)
+    assert (one["busy_us"], one["idle_by_range_us"]) == (5, {"(none)": 5})
+    assert (two["busy_us"], two["idle_by_range_us"]) == (5, {"draft.propose": 2, "(none)": 3})
+    s = gaps.summarize([one, two])
+    assert s["steps"] == 2 and s["idle_us"] == 5
+    assert s["idle_by_range_us"] == {"(none)": 4.0, "draft.propose": 1.0}   # a step without it counts 0
+
+
+def test_wrapped_methods_run_inside_named_ranges_and_come_off():
+    from specdec.engine.draft import DraftEngine
+    from specdec.runner import ModelRunner
+    before = {m: DraftEngine.__dict__[m] for m in ("propose", "_to_host")}
+    prepare = ModelRunner.__dict__["prepare"]
+    with gaps.wrapped():
+        assert DraftEngine.__dict__["propose"] is not before["propose"]
+        assert isinstance(DraftEngine.__dict__["_to_host"], staticmethod)   # still callable unbound
+        assert DraftEngine._to_host([], [], []) == ([], [])
+    assert {m: DraftEngine.__dict__[m] for m in before} == before and ModelRunner.__dict__["prepare"] is prepare
+    with pytest.raises(RuntimeError), gaps.wrapped():
+        raise RuntimeError("the wrappers come off on the way out of an error too")
+    assert DraftEngine.__dict__["propose"] is before["propose"]
