@@ -28,3 +28,41 @@ def test_the_table_run_writes_rows_per_mode(tmp_path, monkeypatch, capsys):
     assert all(r["frames"] == 18 and 0 < r["min_us"] <= r["median_us"] <= r["p90_us"] for r in rows)
     assert "poll+grpc" in capsys.readouterr().out and common.ROOT.exists()
     json.dumps(written)   # what write_result gets is JSON
+
+
+def test_pinning_puts_the_loop_thread_on_a_cpu_of_its_own():
+    import os
+    import threading
+    if len(os.sched_getaffinity(0)) < 2:
+        assert wakeup.pin_loop_thread() is None
+        return
+    before = os.sched_getaffinity(0)
+    done = {}
+
+    def run():   # in a thread of its own: the test process's threads are not all moved for good
+        stop = threading.Event()
+        waiter = threading.Thread(target=stop.wait)
+        waiter.start()
+        done["pinned"] = wakeup.pin_loop_thread()
+        done["mine"] = os.sched_getaffinity(0)
+        done["waiter"] = os.sched_getaffinity(waiter.native_id)
+        stop.set()
+        waiter.join()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    try:
+        cpu, rest = done["pinned"]
+        assert done["mine"] == {cpu} and done["waiter"] == rest and cpu not in rest
+        assert rest | {cpu} == before
+    finally:
+        for tid in (int(x) for x in os.listdir("/proc/self/task")):
+            try:
+                os.sched_setaffinity(tid, before)
+            except ProcessLookupError:
+                pass
+
+
+def test_pinned_poll_mode_measures_every_frame():
+    lat = wakeup.receiver("poll+pin", frames=20, gap_s=0.001)
+    assert len(lat) == 20 and all(0 < t < 1.0 for t in lat)
