@@ -42,12 +42,12 @@ def sweep(m: int) -> list[GemvConfig]:
         return [GemvConfig(1, bn, bk, split_k=s, num_warps=w) for bn, bk in tiles for s in (1, 2) for w in (4, 8)]
     # cp.async pipeline: deeper is more bytes in flight, at the cost of shared memory (occupancy)
     bm = block_m_for(m)
-    if bm > 16:
-        # 32 / 64-row tiles: every program reads all of x (40 x 4096 bf16 is 320 KB) from L2, so
-        # wider W tiles (fewer programs) cut that traffic; more warps hold the bigger accumulator
-        tiles = [(32, 128), (64, 64), (64, 128), (128, 64), (128, 32), (256, 32)]
-        return [GemvConfig(bm, bn, bk, num_stages=st, num_warps=w) for bn, bk in tiles for st in (3, 4)
-                for w in (4, 8)]
+    if m > 16:
+        # Row tiles of 16 (M tiles of their own, W from L2 after the first), 32 or 64 (session 18:
+        # one 64-row tile with [32, 128] W tiles lost to cuBLAS at 40 rows, and wider W tiles or
+        # more warps did not win it back)
+        return [GemvConfig(rows, bn, bk, num_stages=st) for rows in (16, 32, 64)
+                for bn, bk in ((32, 128), (64, 64), (16, 256)) for st in (3, 5)]
     return [GemvConfig(bm, bn, bk, split_k=s, num_stages=st) for bn, bk in tiles for s in (1, 2) for st in (3, 5)]
 
 

@@ -5,10 +5,11 @@ At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32
 - each program owns BLOCK_N rows of W and walks K in BLOCK_K slices: every row segment is a
   contiguous run of BLOCK_K elements (512 B .. 2 KB), loaded as 16-byte vectors;
 - M == 1 multiplies elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces once at the
-  end (no tensor cores, no padding); 2 <= M <= 64 pads the tokens to 16, 32 or 64 rows and uses
-  tl.dot, whose operands the compiler pipelines through shared memory (num_stages deep). M up to 64
-  covers verification at batch 8 with up to 7 drafts (8 x (γ + 1) rows), which cuBLAS served before
-  (its GEMMs at M = 40 read the 7B's weights at ~60% of the copy bandwidth in the verify forward);
+  end (no tensor cores, no padding); 2 <= M <= 16 pads the tokens to 16 rows and uses tl.dot, whose
+  operands the compiler pipelines through shared memory (num_stages deep); M up to 64 (verification
+  at batch 8 with up to 7 drafts) runs in ceil(M / BLOCK_M) row tiles of 16, 32 or 64, the row
+  tiles of one W tile in adjacent programs, so that all but the first read W from L2. `linear`
+  hands the kernel at most SERVE_MAX_M rows (below: cuBLAS serves more, until a tile beats it);
 - BLOCK_N shrinks for small N so that there are programs for every SM; where even the smallest
   BLOCK_N leaves SMs idle, K is split over a second grid axis: each program stores its fp32 partial,
   and the last of an N tile's programs to arrive (an atomic count per tile) sums them in split order
@@ -46,7 +47,7 @@ from specdec.kernels import pdl
 from specdec.kernels.counters import arrival_counters
 
 MAX_M = 64
-BLOCK_MS = (1, 16, 32, 64)   # the row tiles: M = 1 without tl.dot, else M padded to a power of two
+BLOCK_MS = (1, 16, 32, 64)   # row tiles: M = 1 without tl.dot; else tl.dot tiles, as many as M needs
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_DTYPES = (torch.bfloat16, torch.float32)   # gemv(norm=...): bf16's range holds x * weight
 
@@ -104,7 +105,7 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
                  RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
-                 INLINE_REDUCE: tl.constexpr = False):
+                 INLINE_REDUCE: tl.constexpr = False, M_TILES: tl.constexpr = 1):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
     rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
     RES_OUT (no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS (split over
@@ -114,9 +115,15 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
     NORM_IN: x is the residual stream of such a producer and the product is RMSNorm(x) @ W^T:
     (x * NW) @ W^T scaled by 1 / RMS, the RMS from SS (its num_parts partial sums) and eps.
     Both load what their epilogue needs (the residual tile; the partial sums) before the K loop, so
-    that load's latency hides behind the weight stream instead of following it."""
+    that load's latency hides behind the weight stream instead of following it.
+    M_TILES: M > BLOCK_M rows in M_TILES tiles of BLOCK_M, each its own program over the same W
+    tile (sums of squares stay one per N tile: the M tiles write disjoint rows of it)."""
     pdl.enter(USE_PDL)
-    pid_n = tl.program_id(0)
+    # Axis 0 walks the (N tile, M tile) pairs with the M tiles of one N tile adjacent: programs
+    # started together read the same W rows, so the M tiles after the first find them in L2.
+    tile = tl.program_id(0)
+    pid_n = tile // M_TILES
+    pid_m = tile % M_TILES
     pid_k = tl.program_id(1)
     if GLU:
         HALF: tl.constexpr = BLOCK_N // 2
@@ -127,7 +134,7 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -199,10 +206,10 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
             # threads' loads (.cg: past L1) after every other release (triton_attention's inline
             # merge does the same). It puts the count back to 0 for the next launch or replay.
             tl.debug_barrier()
-            arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel", scope="gpu")
+            arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:
                 tl.debug_barrier()
-                tl.store(CNT + pid_n, 0)
+                tl.store(CNT + tile, 0)
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):  # fixed order: deterministic
                     total += tl.load(ws_rows + (s * M) * n_ws, mask=out_mask, other=0.0, cache_modifier=".cg")
@@ -293,8 +300,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def block_m_for(m: int) -> int:
-    """The row tile of M tokens: 1 (no tl.dot) or M rounded up to a power of two, at least 16."""
-    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    """The default row tile of M tokens: 1 (no tl.dot), else 16 (M > 16 runs in M tiles of 16, each
+    a program over the same W tile: session 18's 64-row tile lost to cuBLAS at 40 rows, 4.68 vs
+    4.28 ms of 7B projections a forward; the M-tiled 16-row one is not timed yet)."""
+    return 1 if m == 1 else 16
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
@@ -308,7 +317,7 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     else:
         block_n, block_k, warps, stages = 32, 128, 4, 5 if n <= 16384 else 3
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m_for(m))   # programs before any split
     split = 1
     if tiles < num_sms:
         # Whole K blocks per split, at most 16 splits; the count is the one gemv() launches.
@@ -330,8 +339,8 @@ SPLIT_REDUCE_MODES = ("separate", "inline")
 _split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "inline")
 if _split_reduce not in SPLIT_REDUCE_MODES:
     raise ValueError(f"SPECDEC_GEMV_SPLIT_REDUCE={_split_reduce!r}: expected one of {SPLIT_REDUCE_MODES}")
-# The inline reduce's arrival counts, one int32 per N tile (kernels/counters.py: zero between
-# launches, one buffer per device). A split launch has fewer N tiles than the device has SMs
+# The inline reduce's arrival counts, one int32 per (N tile, M tile) (kernels/counters.py: zero between
+# launches, one buffer per device). A split launch has fewer tiles than the device has SMs
 # (default_config), far below the capacity.
 MAX_SPLIT_TILES = 4096
 
@@ -421,14 +430,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     # The tile (rows of W per program) is the plain GEMV's over all rows: the same bytes per program.
     cfg = config or default_config(m, rows, k, _num_sms(x.device))
-    if (m == 1) != (cfg.block_m == 1) or cfg.block_m < m:
+    if (m == 1) != (cfg.block_m == 1):
         raise ValueError(f"gemv: config block_m {cfg.block_m} does not serve M = {m}")
+    m_tiles = triton.cdiv(m, cfg.block_m)
     if glu and cfg.block_n < 2:
         raise ValueError("gemv: the silu_mul epilogue needs block_n >= 2 (gate and up rows)")
     k_per_split, split = split_layout(k, cfg)
     n_tiles = triton.cdiv(rows, cfg.block_n)
-    # (more N tiles than the counters: the separate reduce; default_config never splits those)
-    inline = split > 1 and _split_reduce == "inline" and n_tiles <= MAX_SPLIT_TILES
+    # (more tiles than the counters: the separate reduce; default_config never splits those)
+    inline = split > 1 and _split_reduce == "inline" and n_tiles * m_tiles <= MAX_SPLIT_TILES
     ws = torch.empty((split, m, rows), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     block = min(1024, triton.next_power_of_2(n))
@@ -442,14 +452,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ss, nw, parts, eps, block_p = _norm_args(norm, y, cfg.block_m)
     ss = sums if sums is not None else ss
     launch = pdl.options(x.device)
-    _gemv_kernel[(n_tiles, split)](
+    _gemv_kernel[(n_tiles * m_tiles, split)](
         x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
         RES_OUT=residual is not None and (split == 1 or inline), NORM_IN=norm is not None, BLOCK_P=block_p,
-        INLINE_REDUCE=inline, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        INLINE_REDUCE=inline, M_TILES=m_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1 and not inline:
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             ws, b, y, res, ss, m, n, y.stride(0), res.stride(0), SPLIT=split, HAS_BIAS=bias is not None,

@@ -59,6 +59,11 @@ def variants():
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=1, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
                  USE_PDL=True, GLU=glu, RES_OUT=res, NORM_IN=norm, BLOCK_P=gemv.PARTS_AHEAD[bm])
         yield f"gemv M{bm} residual={res} norm={norm} glu={glu}", gemv._gemv_kernel, gemv_types, c, warps, stages
+    for split, res in ((1, False), (4, False), (4, True)):   # 40 rows in three 16-row tiles
+        c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT=split, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
+                 USE_PDL=True, GLU=False, RES_OUT=res, NORM_IN=False, BLOCK_P=16, INLINE_REDUCE=split > 1,
+                 M_TILES=3)
+        yield f"gemv M16 x3 tiles split{split} residual={res}", gemv._gemv_kernel, gemv_types, c, 4, 5
     for glu, res in ((False, False), (True, False), (False, True)):
         c = dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True, GLU=glu, RES_OUT=res)
         yield f"splitk_reduce glu={glu} residual={res}", gemv._splitk_reduce_kernel, gemv_types, c, 4, 1

@@ -70,8 +70,6 @@ def test_gemv_rejects_what_it_does_not_serve():
         gemv(x[:2], w.double())
     with pytest.raises(ValueError, match="block_m"):
         gemv(x[:1], w, config=GemvConfig(16, 16, 16))
-    with pytest.raises(ValueError, match="block_m 16 does not serve M = 17"):  # fewer rows than tokens
-        gemv(x[:17], w, config=GemvConfig(16, 16, 16))
     with pytest.raises(ValueError, match="block_m 48"):
         GemvConfig(48, 16, 16)
 
@@ -81,7 +79,8 @@ def test_default_config_splits_k_only_where_n_cannot_fill_the_sms():
         for n, k in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]:
             cfg = default_config(m, n, k, 132)
             tiles = -(-n // cfg.block_n)
-            assert cfg.block_m == {1: 1, 4: 16, 8: 16, 20: 32, 40: 64, 64: 64}[m]
+            assert cfg.block_m == (1 if m == 1 else 16)    # above 16 rows: M tiles of 16
+            tiles *= -(-m // cfg.block_m)
             if tiles >= 132:
                 assert cfg.split_k == 1, (m, n, k, cfg)
             else:  # 4096 / 32 = 128 tiles at M > 1: split in two
@@ -243,3 +242,36 @@ def test_fused_silu_gate_up_in_the_model_on_cpu():
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     model.set_gemv_silu(False)
     assert model.ops.name == "torch+gemv+norm"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m, block_m", [(17, 16), (40, 16), (40, 32), (40, 64), (64, 32)])
+@pytest.mark.parametrize("split", [1, 3], ids=["one-split", "split-k3"])
+@pytest.mark.parametrize("reduce", ["inline", "separate"])
+def test_row_tiles_cover_every_row(device, m, block_m, split, reduce):
+    """M above the row tile runs in ceil(M / BLOCK_M) tiles of their own (each program over the same
+    W tile): every row right, with either split-K reduce, in bf16; outputs poisoned first so that a
+    row no tile wrote fails."""
+    n, k = 37, 200
+    x, w, b = _operands(m, n, k, torch.bfloat16, device, bias=True, seed=m + block_m)
+    cfg = GemvConfig(block_m, 16, 32, split_k=split)
+    with gemv_module.split_reduce_forced(reduce):
+        y = gemv(x, w, b, cfg)
+    assert torch.isfinite(y).all() and _err(y, x, w, b) < TOL[torch.bfloat16]
+    for row in range(m):   # no row left to another row's values (a tile offset error would repeat rows)
+        want = x[row].double() @ w.double().T + b.double()
+        assert ((y[row].double() - want).norm() / want.norm()).item() < 2e-2, row
+
+
+@pytest.mark.parametrize("split", [1, 3], ids=["one-split", "split-k3"])
+def test_residual_producer_over_row_tiles(split):
+    """The residual epilogue with 40 rows in 16-row tiles: r = residual + x @ W^T as torch rounds it,
+    and the per-program sums of squares add up to each row's sum of r^2."""
+    m, n, k = 40, 48, 96
+    x, w, _ = _operands(m, n, k, torch.float32, "cpu", bias=False, seed=5)
+    res = torch.randn(m, n, generator=torch.Generator().manual_seed(6))
+    cfg = GemvConfig(16, 16, 32, split_k=split)
+    r, sums = gemv(x, w, config=cfg, residual=res)
+    want = res.double() + x.double() @ w.double().T
+    assert ((r.double() - want).norm() / want.norm()).item() < TOL[torch.float32]
+    torch.testing.assert_close(sums.sum(0).double(), r.double().pow(2).sum(1), rtol=1e-5, atol=1e-5)
