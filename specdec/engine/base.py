@@ -71,6 +71,8 @@ class ModelEngine:
         engine per rank, each over its shard of the weights and KV heads)."""
         self.config = config
         self.tp = tp
+        # batch size -> seconds of one single-token graph replay alone (warm_up, CUDA graphs only)
+        self.replay_profile: dict[int, float] = {}
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches and CUDA-graph capture use the thread's current device, not the
@@ -301,12 +303,39 @@ class ModelEngine:
                     if r:
                         times.append(time.perf_counter() - t1)
                 self.profile.set(b, statistics.median(times))
+                if self.runner.graphs is not None and self.tp.size == 1:
+                    replay = self._replay_seconds(ids, repeats)
+                    if replay is not None:
+                        self.replay_profile[b] = replay
         if self.runner.graphs is not None:
             log.info("warm-up: %d forwards replayed CUDA graphs", self.graph_replays)
+        if self.replay_profile:
+            log.info("decode replay profile (batch: ms): %s",
+                     ", ".join(f"{b}: {s * 1e3:.3f}" for b, s in sorted(self.replay_profile.items())))
         log.info("warm-up took %.1fs: %d prefill forwards (batch x prompt length: %s), then the decode "
                  "profile", time.perf_counter() - t0, len(prefills),
                  ", ".join(f"{b}x{n}" for b, n in prefills) or "none")
         return self.profile.table()
+
+    def _replay_seconds(self, ids: list, repeats: int) -> float | None:
+        """Median device time of the single-token graph of these sequences, replayed alone (CUDA
+        events around replay(): no host work inside): the forward's own cost, beside the decode
+        profile's wall time of a whole step (prepare, replay, logits). The graph's inputs are staged
+        once (one KV slot per sequence, rewritten by every replay). None without a graph for them.
+        One rank only: a tensor-parallel rank's replay waits for the others in its all-reduce."""
+        batch = self.runner.prepare([SeqInput(sid, [1]) for sid in ids])
+        if batch.graph_key is None:
+            return None
+        graph = self.runner.graphs.staged_graph(batch).graph
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
 
     def _warm_prefill(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
         """One untimed prefill forward per (batch, prompt length) that fits max_model_len and the

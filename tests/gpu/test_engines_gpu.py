@@ -189,3 +189,17 @@ def test_sampled_verifies_on_graphs_equal_eager_rejection(tmp_path, dtype):
     verify_alike(targets, [SamplingParams(temperature=0.9, top_k=30, seed=7), SamplingParams(),
                            SamplingParams(temperature=1.2, top_p=0.9, seed=8)], PROMPTS[:3])
     assert targets[1].verifier.replays == 4
+
+
+def test_warm_up_times_graph_replays_alone_beside_whole_steps(tmp_path):
+    """The replay profile (device time of the single-token graph, no host work) is logged beside the
+    decode profile (a whole step's wall time) for every warm-up batch size with a graph, and is
+    shorter than it."""
+    target_path, _ = make_pair(tmp_path)
+    engine = TargetEngine(EngineConfig(model=target_path, device="cuda", dtype=torch.bfloat16, num_blocks=128,
+                                       block_size=16, warmup_batch_sizes=(1, 2, 4), graph_batch_sizes=(1, 2, 4)))
+    profile = engine.warm_up()
+    assert set(engine.replay_profile) == {1, 2, 4}
+    for b, replay in engine.replay_profile.items():
+        assert 0 < replay < profile[b], (b, replay, profile[b])
+    assert engine.num_free_blocks == 128   # the staged sequences were freed with the rest

@@ -423,3 +423,50 @@ def test_pipelined_sampled_speculation_keeps_the_target_distribution(tmp_path):
     assert counts[~support].sum() == 0
     expected = p[support] / p[support].sum() * len(tokens)
     assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_warm_up_replay_profile_path_with_a_stand_in_graph(pair, monkeypatch):
+    """The replay profile's code path on the CPU (CUDA graphs and events stood in for): each warm-up
+    batch size with a staged graph gets the median of its replays' event times, the staged
+    sequences are freed, and a batch without a graph (graph_key None) gets none."""
+    import dataclasses
+    import types
+    target_path, _ = pair
+    engine = TargetEngine(engine_config(target_path))
+    replays = []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+
+    class Event:
+        clock = [0.0]
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            Event.clock[0] += 1.0 + len(replays)   # ms: later replays take longer
+            self.t = Event.clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    prepare = engine.runner.prepare
+
+    def staged(items, graphs=True):
+        batch = prepare(items, graphs=False)
+        return dataclasses.replace(batch, graph_key=None if len(items) == 2 else (len(items), 1, 0))
+    monkeypatch.setattr(engine.runner, "prepare", staged)
+    monkeypatch.setattr(engine.runner, "graphs", types.SimpleNamespace(
+        staged_graph=lambda b: types.SimpleNamespace(graph=Graph()), replays=0))
+    monkeypatch.setattr(engine.runner, "step", lambda items, graphs=True: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    free = engine.num_free_blocks
+    engine.warm_up(repeats=3, prompt_lens=())
+    # batch 1: replays 1..3 take 2, 3, 4 ms (the end event's step) -> median 3 ms; batch 2: no graph
+    assert engine.replay_profile == {1: 0.003} and len(replays) == 3
+    assert engine.num_free_blocks == free
