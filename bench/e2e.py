@@ -50,7 +50,7 @@ from common import environment, table, write_result
 import torch  # noqa: E402
 
 from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E402
-from services import (DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
+from services import (REPLAY_PROFILE, DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
                       run_concurrent, steady_tok_s, summarize, write_shape_folder)
 from specdec.metrics import STAGES, histogram_mean, sample_total  # noqa: E402
@@ -121,6 +121,7 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             run_concurrent(pipe.address, used[:2 * max(batches)], max(batches), max_new_tokens=16,
                            ignore_eos=True, num_draft=a.gamma)
         tprof, dprof = decode_profile(target), decode_profile(draft)
+        treplay, dreplay = decode_profile(target, REPLAY_PROFILE), decode_profile(draft, REPLAY_PROFILE)
         for b in batches:
             ps = used[:b * a.waves]
             common = dict(max_new_tokens=a.new_tokens, ignore_eos=True, timeout=a.request_timeout,
@@ -134,6 +135,7 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             plain, spec = summarize(plain_recs, plain_wall), summarize(spec_recs, spec_wall)
             t_c, d_c = profile_at(tprof, b), profile_at(dprof, b)
             c = d_c / t_c if t_c and d_c else None
+            t_r, d_r = profile_at(treplay, b), profile_at(dreplay, b)
             tau = spec["tau"]
             after = coord.metrics()
             c_sys = _metric(after, "specdec_system_cost_coefficient", b)
@@ -149,6 +151,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "acceptance": spec["acceptance"], "tau": tau,
                    "alpha": leviathan_alpha(tau, a.gamma) if tau else None,
                    "c": c, "c_live": c_live, "c_system": c_sys,
+                   # from the graph replays alone (no host work): the models' own cost ratio
+                   "c_replay": d_r / t_r if t_r and d_r else None,
                    "expected": tau / (a.gamma * c + 1) if tau and c is not None else None,
                    "expected_system": tau / (a.gamma * c_sys + 1) if tau and c_sys is not None else None,
                    "greedy_equal": sum(same) / len(same) if same else None,
@@ -498,6 +502,7 @@ def main(argv=None) -> int:
         ("speedup", "speedup", ".2f"), ("expected", "expected (c)", ".2f"),
         ("expected_system", "expected (c_sys)", ".2f"), ("acceptance", "acc/drafted", ".3f"),
         ("alpha", "alpha", ".3f"), ("tau", "tau", ".2f"), ("c", "c", ".3f"), ("c_live", "c live", ".3f"),
+        ("c_replay", "c replay", ".3f"),
         ("c_system", "c_sys", ".3f"), ("greedy_equal", "greedy ==", ".2f"),
         ("step_ms_spec", "step ms", ".2f"), ("propose_ms_spec", "propose ms", ".2f"),
         ("verify_ms_spec", "verify ms", ".2f"),

@@ -123,13 +123,15 @@ def coordinator(target: Proc, draft: Proc | None, log_dir: Path, args: Sequence[
 
 # --- what the services say about themselves -----------------------------------------------------
 _PROFILE = re.compile(r"decode forward profile \(batch: ms\): (.*)")
+REPLAY_PROFILE = re.compile(r"decode replay profile \(batch: ms\): (.*)")
 _GRAPHS = re.compile(r"captured (\d+) CUDA graphs")
 
 
-def decode_profile(proc: Proc) -> dict[int, float]:
-    """Seconds of one single-token forward by batch size, from the server's start-up log."""
+def decode_profile(proc: Proc, pattern: re.Pattern = None) -> dict[int, float]:
+    """Seconds of one single-token forward by batch size, from the server's start-up log (a whole
+    step's wall time; pattern=REPLAY_PROFILE: the graph replay alone, CUDA graphs only)."""
     text = proc.log_path.read_text(errors="replace")
-    found = _PROFILE.findall(text)
+    found = (pattern or _PROFILE).findall(text)
     if not found:
         return {}
     pairs = (item.split(":") for item in found[-1].split(","))

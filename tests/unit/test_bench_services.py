@@ -86,3 +86,19 @@ def test_steady_window_is_none_without_a_clean_full_span():
     assert steady_window([], 1) is None
     # one slot, one request: first token to finish
     assert steady_window([ok], 1) == (1.5, 6.0) and steady_tok_s([ok], 1) == 1 / 4.5
+
+
+def test_profiles_from_a_server_log(tmp_path):
+    """decode_profile reads the last logged profile line of either kind (a whole step, or the graph
+    replay alone), in seconds by batch size."""
+    from types import SimpleNamespace
+    from services import REPLAY_PROFILE, decode_profile
+    log = tmp_path / "server.log"
+    log.write_text("x decode forward profile (batch: ms): 1: 4.000, 8: 5.000\n"
+                   "y decode replay profile (batch: ms): 1: 3.500, 8: 4.250\n"
+                   "z decode forward profile (batch: ms): 1: 4.100, 8: 5.100\n")
+    proc = SimpleNamespace(log_path=log)
+    assert decode_profile(proc) == pytest.approx({1: 0.0041, 8: 0.0051})
+    assert decode_profile(proc, REPLAY_PROFILE) == pytest.approx({1: 0.0035, 8: 0.00425})
+    log.write_text("nothing logged\n")
+    assert decode_profile(proc) == {} and decode_profile(proc, REPLAY_PROFILE) == {}
