@@ -151,14 +151,15 @@ def launch_ms(engine, b: int, q: int, reps: int = 20) -> tuple[float | None, flo
     if g is None:
         return None, None
     host, spans = [], []
+    device = engine.runner.device
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
+        torch.cuda.synchronize(device)
+        start.record(torch.cuda.current_stream(device))
         t0 = time.perf_counter()
         g.graph.replay()
         host.append(time.perf_counter() - t0)
-        end.record()
+        end.record(torch.cuda.current_stream(device))
         end.synchronize()
         spans.append(start.elapsed_time(end))
     return 1e3 * statistics.median(host), statistics.median(spans)

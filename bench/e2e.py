@@ -260,7 +260,7 @@ def _f(x, spec: str = ".0f") -> str:
 def serve_pairs(a, label: str, target_path: Path, drafts: list[tuple[str, Path]], target_dev: str,
                 draft_dev: str, gpus: int, batches, prompts, log_root: Path, clock: Clock,
                 target_args: list[str] = (), draft_args: list[str] = ()) -> list[dict]:
-    """Starts the target (and the first draft alongside it) once; each draft gets its own server
+    """Starts the target once (and each draft once it is up); each draft gets its own server
     and coordinator in turn."""
     rows, procs = [], []
     args = server_args(a)

@@ -276,8 +276,11 @@ def steady_window(records: Sequence[Record], concurrency: int) -> tuple[float, f
     Leviathan's expected speedup is a per-step model of a full batch; speculative sequences of one
     length finish at different steps, so a finite run ends with a drain of a few steps at smaller
     batches that plain decoding (every sequence done at the same step) does not have. None when
-    the span is empty or a request failed."""
-    if not records or any(r.error is not None or r.first is None or r.done is None for r in records):
+    the span is empty, a request failed or streamed no token, or fewer requests than slots ran."""
+    if concurrency < 1:
+        raise ValueError(f"steady_window: concurrency {concurrency} < 1")
+    if len(records) < concurrency or any(r.error is not None or r.first is None or r.done is None
+                                         for r in records):
         return None
     by_send = sorted(records, key=lambda r: r.sent)
     start = max(r.first for r in by_send[:concurrency])

@@ -470,7 +470,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            on_cpu: bool = False) -> torch.Tensor:
     """F.linear, on the GEMV kernel where it serves: CUDA (or on_cpu, for interpreter tests), 2-D
-    after flattening, M <= MAX_M, matching 16/32-bit dtypes. Anything else is F.linear's."""
+    after flattening, M <= the dispatch bound (SERVE_MAX_M unless serve_max_m_forced raises it to at
+    most MAX_M), matching 16/32-bit dtypes. Anything else is F.linear's."""
     if not _serves(x, weight, bias, on_cpu):
         return F.linear(x, weight, bias)
     return _on_rows(x, weight, bias)
