@@ -19,6 +19,7 @@ import torch
 from protos.wire import outside_vocab
 from specdec.config import (DEFAULT_GRAPH_PREFILL_LENS, CacheConfig, ConfigError, EngineConfig, ModelConfig,
                             rank_devices)
+from specdec.block_manager import OutOfBlocks
 from specdec.kv_cache import KVCache
 from specdec.models.llama import TensorParallel
 from specdec.models.loader import build_model, init_random, load_model
@@ -323,7 +324,10 @@ class ModelEngine:
         profile's wall time of a whole step (prepare, replay, logits). The graph's inputs are staged
         once (one KV slot per sequence, rewritten by every replay). None without a graph for them.
         One rank only: a tensor-parallel rank's replay waits for the others in its all-reduce."""
-        batch = self.runner.prepare([SeqInput(sid, [1]) for sid in ids])
+        try:
+            batch = self.runner.prepare([SeqInput(sid, [1]) for sid in ids])
+        except OutOfBlocks:   # the timed steps took the last blocks: no replay profile at this size
+            return None
         if batch.graph_key is None:
             return None
         graph = self.runner.graphs.staged_graph(batch).graph

@@ -470,3 +470,17 @@ def test_warm_up_replay_profile_path_with_a_stand_in_graph(pair, monkeypatch):
     # batch 1: replays 1..3 take 2, 3, 4 ms (the end event's step) -> median 3 ms; batch 2: no graph
     assert engine.replay_profile == {1: 0.003} and len(replays) == 3
     assert engine.num_free_blocks == free
+
+
+def test_warm_up_without_a_block_for_the_replay_profile_skips_only_it(pair, monkeypatch):
+    """Block size 4, 5 blocks: the timed steps of batch 1 fill them exactly (16 + 3 + 1 tokens), so
+    the replay profile's staged token finds no block: it is left out, the decode profile is not,
+    and nothing leaks."""
+    import types
+    target_path, _ = pair
+    engine = TargetEngine(engine_config(target_path, num_blocks=5))
+    monkeypatch.setattr(engine.runner, "graphs", types.SimpleNamespace(   # every step runs eagerly
+        stage=lambda *a, **k: None, forward=lambda batch: None, replays=0,
+        staged_graph=lambda b: pytest.fail("no batch should be staged")))
+    table = engine.warm_up(repeats=3, prompt_lens=())
+    assert set(table) == {1} and engine.replay_profile == {} and engine.num_free_blocks == 5
