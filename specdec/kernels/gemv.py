@@ -32,7 +32,6 @@ runs anywhere Triton does (the CPU under TRITON_INTERPRET=1, which the unit test
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ import triton.language as tl
 
 from specdec.kernels import pdl
 from specdec.kernels.counters import arrival_counters
+from specdec.kernels.switch import Switch
 
 MAX_M = 64
 BLOCK_MS = (1, 16, 32, 64)   # row tiles: M = 1 without tl.dot; else tl.dot tiles, as many as M needs
@@ -336,35 +336,29 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 # 4.09 ms, the 160m draft at b 8 0.374 vs 0.383 ms; b 1 within 1% (3.65 vs 3.67 ms; 160m 0.308
 # vs 0.309). An earlier call with the sides the other way round: 3.94 vs 4.09 ms.
 SPLIT_REDUCE_MODES = ("separate", "inline")
-_split_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "inline")
-if _split_reduce not in SPLIT_REDUCE_MODES:
-    raise ValueError(f"SPECDEC_GEMV_SPLIT_REDUCE={_split_reduce!r}: expected one of {SPLIT_REDUCE_MODES}")
+
+
+def _split_reduce_mode(mode: str) -> str:
+    if mode not in SPLIT_REDUCE_MODES:
+        raise ValueError(f"split reduce mode {mode!r}: expected one of {SPLIT_REDUCE_MODES}")
+    return mode
+
+
+_env_reduce = os.environ.get("SPECDEC_GEMV_SPLIT_REDUCE", "inline")
+if _env_reduce not in SPLIT_REDUCE_MODES:
+    raise ValueError(f"SPECDEC_GEMV_SPLIT_REDUCE={_env_reduce!r}: expected one of {SPLIT_REDUCE_MODES}")
+_split_reduce: Switch[str] = Switch(_env_reduce, _split_reduce_mode)
+set_split_reduce = _split_reduce.set
+# split_reduce_forced(mode): launch (and capture) with this mode inside the block; benchmarks compare both
+split_reduce_forced = _split_reduce.forced
 # The inline reduce's arrival counts, one int32 per (N tile, M tile) (kernels/counters.py: zero between
 # launches, one buffer per device). A split launch has fewer tiles than the device has SMs
 # (default_config), far below the capacity.
 MAX_SPLIT_TILES = 4096
 
 
-def set_split_reduce(mode: str) -> None:
-    global _split_reduce
-    if mode not in SPLIT_REDUCE_MODES:
-        raise ValueError(f"split reduce mode {mode!r}: expected one of {SPLIT_REDUCE_MODES}")
-    _split_reduce = mode
-
-
 def split_reduce() -> str:
-    return _split_reduce
-
-
-@contextlib.contextmanager
-def split_reduce_forced(mode: str):
-    """Launch (and capture) with this split reduce mode inside the block; benchmarks compare both."""
-    old = _split_reduce
-    set_split_reduce(mode)
-    try:
-        yield
-    finally:
-        set_split_reduce(old)
+    return _split_reduce.value
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -438,7 +432,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     k_per_split, split = split_layout(k, cfg)
     n_tiles = triton.cdiv(rows, cfg.block_n)
     # (more tiles than the counters: the separate reduce; default_config never splits those)
-    inline = split > 1 and _split_reduce == "inline" and n_tiles * m_tiles <= MAX_SPLIT_TILES
+    inline = split > 1 and _split_reduce.value == "inline" and n_tiles * m_tiles <= MAX_SPLIT_TILES
     ws = torch.empty((split, m, rows), dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     block = min(1024, triton.next_power_of_2(n))
@@ -484,25 +478,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # bench/common.py (serve_max_m_forced(64)) times them. Read when a step's ops run: a CUDA graph
 # keeps the path it was captured with.
 SERVE_MAX_M = 16
-_serve_max_m = SERVE_MAX_M
 
 
-@contextlib.contextmanager
-def serve_max_m_forced(m: int):
-    """Dispatch steps of at most m rows to the kernel inside the block (1 <= m <= MAX_M)."""
-    global _serve_max_m
+def _serve_bound(m: int) -> int:
     if not 1 <= m <= MAX_M:
         raise ValueError(f"serve_max_m_forced: {m} outside 1..{MAX_M}")
-    old, _serve_max_m = _serve_max_m, m
-    try:
-        yield
-    finally:
-        _serve_max_m = old
+    return m
+
+
+_serve_max_m: Switch[int] = Switch(SERVE_MAX_M, _serve_bound)
+# serve_max_m_forced(m): dispatch steps of at most m rows to the kernel inside the block
+serve_max_m_forced = _serve_max_m.forced
 
 
 def _serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on_cpu: bool) -> bool:
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return ((x.is_cuda or on_cpu) and m <= _serve_max_m and x.dtype == weight.dtype and x.dtype in _DTYPES
+    return ((x.is_cuda or on_cpu) and m <= _serve_max_m.value and x.dtype == weight.dtype and x.dtype in _DTYPES
             and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] != 0
             and (bias is None or bias.dtype == x.dtype))
 

@@ -19,7 +19,6 @@ on for compute capability >= 9; `SPECDEC_PDL=0` or `set_enabled(False)` (the ser
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -27,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-_enabled: bool = os.environ.get("SPECDEC_PDL", "1") != "0"
+from specdec.kernels.switch import Switch
+
+_enabled: Switch[bool] = Switch(os.environ.get("SPECDEC_PDL", "1") != "0", bool)
 
 # The one exception to "enter first": a kernel may load, before enter(), what the kernel launched
 # just before it never writes. When a kernel starts, every kernel launched before its predecessor
@@ -66,7 +67,7 @@ def _supported(device: torch.device) -> bool:
 
 
 def active(device: torch.device) -> bool:
-    return _enabled and _supported(device)
+    return _enabled.value and _supported(device)
 
 
 def options(device: torch.device) -> dict:
@@ -76,21 +77,10 @@ def options(device: torch.device) -> dict:
     return {"USE_PDL": on, "launch_pdl": on}
 
 
-def set_enabled(enabled: bool) -> None:
-    global _enabled
-    _enabled = bool(enabled)
+set_enabled = _enabled.set
+# forced(on): launch (and capture) with PDL on or off inside the block; benchmarks compare both
+forced = _enabled.forced
 
 
 def enabled() -> bool:
-    return _enabled
-
-
-@contextlib.contextmanager
-def forced(enabled_: bool):
-    """Launch (and capture) with PDL on or off inside the block; benchmarks compare both."""
-    old = _enabled
-    set_enabled(enabled_)
-    try:
-        yield
-    finally:
-        set_enabled(old)
+    return _enabled.value

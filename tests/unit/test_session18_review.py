@@ -178,26 +178,26 @@ def _count_gemv(monkeypatch):
 def test_forced_bound_comes_back_after_an_exception_and_when_nested(monkeypatch):
     calls = _count_gemv(monkeypatch)
     x, w, _ = _ops(40, 24, 32)
-    assert gemv_module._serve_max_m == gemv_module.SERVE_MAX_M == 16
+    assert gemv_module._serve_max_m.value == gemv_module.SERVE_MAX_M == 16
     with pytest.raises(RuntimeError, match="boom"):
         with gemv_module.serve_max_m_forced(64):
             linear(x, w, on_cpu=True)
             raise RuntimeError("boom")
-    assert gemv_module._serve_max_m == 16 and calls == [40]
+    assert gemv_module._serve_max_m.value == 16 and calls == [40]
     linear(x, w, on_cpu=True)                               # cuBLAS again: no new kernel call
     assert calls == [40]
     with gemv_module.serve_max_m_forced(64):
         with gemv_module.serve_max_m_forced(8):
             linear(x[:16], w, on_cpu=True)                  # 16 > 8: F.linear
-            assert gemv_module._serve_max_m == 8
-        assert gemv_module._serve_max_m == 64
+            assert gemv_module._serve_max_m.value == 8
+        assert gemv_module._serve_max_m.value == 64
         linear(x[:33], w, on_cpu=True)
-    assert gemv_module._serve_max_m == 16 and calls == [40, 33]
+    assert gemv_module._serve_max_m.value == 16 and calls == [40, 33]
     for bad in (0, MAX_M + 1):
         with pytest.raises(ValueError, match="outside"):
             with gemv_module.serve_max_m_forced(bad):
                 pass
-        assert gemv_module._serve_max_m == 16
+        assert gemv_module._serve_max_m.value == 16
 
 
 # -------------------------------------------------------------------------- warm_up repeats
