@@ -300,10 +300,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def block_m_for(m: int) -> int:
-    """The default row tile of M tokens: 1 (no tl.dot), else 16 (M > 16 runs in M tiles of 16, each
-    a program over the same W tile: session 18's 64-row tile lost to cuBLAS at 40 rows, 4.68 vs
-    4.28 ms of 7B projections a forward; the M-tiled 16-row one is not timed yet)."""
-    return 1 if m == 1 else 16
+    """The default row tile of M tokens: 1 (no tl.dot), 16 up to 16 rows, else 64 (one M tile up to
+    MAX_M). H200, bench/gemv.py --m 40 32 (bench/results/gemv_m32_m40.json): the 64-row tile ties
+    cuBLAS (7B projections at 40 rows 4.21 vs 4.25 ms a forward, per projection's best) where M tiles
+    of 16 rows took 7.28 ms (session 19): W read again from L2 per M tile costs more than it saves."""
+    return 1 if m == 1 else 16 if m <= 16 else 64
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
@@ -473,8 +474,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # The most rows `linear` (and GemvOps) hand to the kernel; above it, cuBLAS. The kernel serves up to
 # MAX_M, but on the H200 (bench/gemv.py --m 40, session 18) its default 64-row tiles lost to cuBLAS
-# at 40 rows (the 7B's projections 4.68 vs 4.28 ms a step; the sweep's best per projection 4.20),
-# so steps of 17..64 rows stay on cuBLAS until a tile wins: the kernel set gemv_m64 of
+# at 40 rows (the 7B's projections 4.68 vs 4.28 ms a step; the sweep's best per projection 4.20;
+# M tiles of 16 rows, session 19: 7.28), so steps of 17..64 rows stay on cuBLAS until a tile wins: the kernel set gemv_m64 of
 # bench/common.py (serve_max_m_forced(64)) times them. Read when a step's ops run: a CUDA graph
 # keeps the path it was captured with.
 SERVE_MAX_M = 16
