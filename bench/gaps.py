@@ -72,16 +72,16 @@ def wrapped(specs=WRAPPED):
             setattr(cls, method, original)
 
 
-def trace_events(trace: dict) -> tuple[list[tuple[float, float]], list[tuple[str, float, float]]]:
-    """(device intervals, host ranges) of a Chrome trace: (start, end) in us of every kernel, copy and
-    memset; (name, start, end) of every record_function range on the host."""
+def trace_events(trace: dict) -> tuple[list[tuple[float, float, str]], list[tuple[str, float, float]]]:
+    """(device intervals, host ranges) of a Chrome trace: (start, end, name) in us of every kernel,
+    copy and memset; (name, start, end) of every record_function range on the host."""
     device, host = [], []
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or "dur" not in e:
             continue
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         if e.get("cat") in GPU_CATS:
-            device.append((start, end))
+            device.append((start, end, e.get("name", "?")))
         elif e.get("cat") == "user_annotation":
             host.append((e["name"], start, end))
     return device, host
@@ -97,12 +97,14 @@ def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
-def attribute(window: tuple[float, float], device: list[tuple[float, float]],
+def attribute(window: tuple[float, float], device: list[tuple[float, float, str]],
               ranges: list[tuple[str, float, float]]) -> dict:
     """Within `window`: device busy time, idle time, and the idle time charged to the innermost
-    (shortest) host range open at each instant ("(none)" where none is). Times in us."""
+    (shortest) host range open at each instant ("(none)" where none is). Times in us. `waits`: each
+    idle gap between two device ops (not the window's edges) as (us, label, the op that ended it
+    began, the op that ends it), label the range charged most of it: what the GPU waited between."""
     w0, w1 = window
-    busy = [(max(s, w0), min(e, w1)) for s, e in merge(device) if e > w0 and s < w1]
+    busy = [(max(s, w0), min(e, w1)) for s, e in merge([(s, e) for s, e, _ in device]) if e > w0 and s < w1]
     idle, t = [], w0
     for s, e in busy:
         if s > t:
@@ -111,16 +113,24 @@ def attribute(window: tuple[float, float], device: list[tuple[float, float]],
     if t < w1:
         idle.append((t, w1))
     inside = [(n, max(s, w0), min(e, w1)) for n, s, e in ranges if e > w0 and s < w1]
+    ended = {e: n for s, e, n in sorted(device, key=lambda d: d[1] - d[0])}   # the longest op ending there
+    began = {s: n for s, e, n in sorted(device, key=lambda d: d[1] - d[0])}
     charged: dict[str, float] = {}
+    waits = []
     for g0, g1 in idle:
         cuts = sorted({g0, g1} | {x for _, s, e in inside for x in (s, e) if g0 < x < g1})
+        mine: dict[str, float] = {}
         for a, b in zip(cuts, cuts[1:]):
             mid = (a + b) / 2
             open_ = [(e - s, n) for n, s, e in inside if s <= mid < e]
             label = min(open_)[1] if open_ else "(none)"
-            charged[label] = charged.get(label, 0.0) + (b - a)
+            mine[label] = mine.get(label, 0.0) + (b - a)
+        for label, us in mine.items():
+            charged[label] = charged.get(label, 0.0) + us
+        if g0 in ended and g1 in began:
+            waits.append((g1 - g0, max(mine, key=mine.get), ended[g0], began[g1]))
     return {"window_us": w1 - w0, "busy_us": sum(e - s for s, e in busy),
-            "idle_us": sum(e - s for s, e in idle), "idle_by_range_us": charged}
+            "idle_us": sum(e - s for s, e in idle), "idle_by_range_us": charged, "waits": waits}
 
 
 def per_step(trace: dict) -> list[dict]:
@@ -131,13 +141,39 @@ def per_step(trace: dict) -> list[dict]:
     return [attribute(w, device, ranges) for w in steps]
 
 
-def summarize(steps: list[dict]) -> dict:
-    """Medians per step: window, busy, idle, and idle per range (0 where a step had none)."""
+def short(name: str, width: int = 36) -> str:
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def summarize(steps: list[dict], top: int = 10) -> dict:
+    """Medians per step: window, busy, idle, and idle per range (0 where a step had none); `waits`:
+    the `top` (range, after, before) kinds of gap by idle time per step, with gaps per step."""
     labels = sorted({k for s in steps for k in s["idle_by_range_us"]})
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    kinds: dict[tuple[str, str, str], list[float]] = {}
+    for s in steps:
+        for us, label, after, before in s.get("waits", []):
+            kinds.setdefault((label, short(after), short(before)), []).append(us)
+    n = max(1, len(steps))
+    waits = sorted(({"range": k[0], "after": k[1], "before": k[2], "us_per_step": sum(v) / n,
+                     "gaps_per_step": len(v) / n, "median_gap_us": statistics.median(v)}
+                    for k, v in kinds.items()), key=lambda w: -w["us_per_step"])[:top]
     return {"steps": len(steps), "window_us": med([s["window_us"] for s in steps]),
             "busy_us": med([s["busy_us"] for s in steps]), "idle_us": med([s["idle_us"] for s in steps]),
-            "idle_by_range_us": {k: med([s["idle_by_range_us"].get(k, 0.0) for s in steps]) for k in labels}}
+            "idle_by_range_us": {k: med([s["idle_by_range_us"].get(k, 0.0) for s in steps]) for k in labels},
+            "waits": waits}
+
+
+def unprofiled_step_us(loop, steps: int) -> float:
+    """The median wall time of a speculative step without the profiler (each step ends on the host
+    with its tokens): how much the trace's instrumentation stretches the steps above."""
+    import time
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loop.spec()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
 
 
 def profile_steps(loop, steps: int) -> dict:
@@ -172,22 +208,30 @@ def main() -> int:
         loop = Loop(draft, target, b, a.k, seed=i)
         for _ in range(4):
             loop.spec()
+        plain_us = unprofiled_step_us(loop, a.steps)
         trace = profile_steps(loop, a.steps)
         loop.close()
         if a.keep_trace and i == 0:
             with gzip.open(ROOT / "bench" / "results" / f"gaps_trace_b{b}.json.gz", "wt") as f:
                 json.dump(trace, f)
-        rows.append({"batch": b, **summarize(per_step(trace))})
-        print(f"batch {b}: {rows[-1]}", flush=True)
+        rows.append({"batch": b, "unprofiled_step_us": plain_us, **summarize(per_step(trace))})
+        print(f"batch {b}: { {k: v for k, v in rows[-1].items() if k != 'waits'} }", flush=True)
     path = write_result("gaps", {"benchmark": "gaps", "environment": environment(), "target": a.target,
                                  "draft": a.draft, "k": a.k, "steps": a.steps, "rows": rows})
     labels = sorted({k for r in rows for k in r["idle_by_range_us"]},
                     key=lambda k: -max(r["idle_by_range_us"].get(k) or 0.0 for r in rows))
-    flat = [{"batch": r["batch"], "window": r["window_us"], "busy": r["busy_us"], "idle": r["idle_us"],
-             **{k: r["idle_by_range_us"].get(k) for k in labels}} for r in rows]
-    print("\nus per speculative step (medians): the step's wall time, the GPU's busy and idle time, "
-          "and the idle time by the innermost host range open meanwhile")
-    print(table(flat, [("batch", "b", "d"), ("window", "step", ".0f"), ("busy", "GPU busy", ".0f"),
+    flat = [{"batch": r["batch"], "bare": r["unprofiled_step_us"], "window": r["window_us"],
+             "busy": r["busy_us"], "idle": r["idle_us"], **{k: r["idle_by_range_us"].get(k) for k in labels}}
+            for r in rows]
+    for r in rows:
+        print(f"\nbatch {r['batch']}: the GPU's longest waits by kind (gap between two device ops; "
+              "range: the host range charged most of it)")
+        print(table(r["waits"], [("range", "range", "s"), ("after", "after", "s"), ("before", "before", "s"),
+                                 ("us_per_step", "us/step", ".0f"), ("gaps_per_step", "gaps/step", ".1f"),
+                                 ("median_gap_us", "median gap", ".1f")]))
+    print("\nus per speculative step (medians): the step's wall time without the profiler and under it, "
+          "the GPU's busy and idle time, and the idle time by the innermost host range open meanwhile")
+    print(table(flat, [("batch", "b", "d"), ("bare", "step bare", ".0f"), ("window", "step traced", ".0f"), ("busy", "GPU busy", ".0f"),
                        ("idle", "GPU idle", ".0f")] + [(k, k, ".0f") for k in labels]))
     print(f"wrote {path}")
     return 0

@@ -63,3 +63,22 @@ def test_wrapped_methods_run_inside_named_ranges_and_come_off():
     with pytest.raises(RuntimeError), gaps.wrapped():
         raise RuntimeError("the wrappers come off on the way out of an error too")
     assert DraftEngine.__dict__["propose"] is before["propose"]
+
+
+def test_waits_name_the_ops_on_either_side_of_each_gap_and_the_range_charged_most():
+    # Device: k1 0..10, (gap 10..30), a memcpy 30..32 inside a longer k2 30..40, (gap 40..45), k3 45..50.
+    # Host: stage 5..28 covers most of the first gap; replay 38..50 the second. The idle before k1's
+    # start and after k3's end is the window's edge, not a wait between two ops.
+    trace = {"traceEvents": [
+        _x(gaps.STEP, "user_annotation", -5, 60),
+        _x("graphs.stage", "user_annotation", 5, 23), _x("graphs.replay", "user_annotation", 38, 12),
+        _x("k1", "kernel", 0, 10), _x("memcpy", "gpu_memcpy", 30, 2), _x("k2", "kernel", 30, 10),
+        _x("k3", "kernel", 45, 5),
+    ]}
+    (step,) = gaps.per_step(trace)
+    assert step["waits"] == [(20, "graphs.stage", "k1", "k2"), (5, "graphs.replay", "k2", "k3")]
+    assert step["idle_us"] == 5 + 20 + 5 + 5
+    s = gaps.summarize([step, step], top=1)
+    assert s["waits"] == [{"range": "graphs.stage", "after": "k1", "before": "k2", "us_per_step": 20,
+                           "gaps_per_step": 1, "median_gap_us": 20}]
+    assert gaps.short("x" * 50, 10) == "xxxxxxx..." and gaps.short("k1") == "k1"
