@@ -45,31 +45,94 @@ WRAPPED = [
 ]
 
 
+# The host's blocking waits for the device (the bare breakdown's "wait"): a step's results come
+# to the host through tolist; the clock's event synchronize follows it (nothing left to wait for).
+WAITS = [
+    ("wait", "torch", "Tensor", "tolist"),
+    ("wait", "torch.cuda", "Event", "synchronize"),
+]
+
+
 @contextlib.contextmanager
-def wrapped(specs=WRAPPED):
-    """Each method runs inside torch.profiler.record_function(label) for the block's duration."""
+def wrapped(specs=WRAPPED, scope=None):
+    """Each method runs inside scope(label) for the block's duration (default
+    torch.profiler.record_function). A method a class inherits (not in its own __dict__) is
+    wrapped on the class and the override removed afterwards."""
     import importlib
+    scope = scope or torch.profiler.record_function
     saved = []
     try:
         for label, module, cls_name, method in specs:
             cls = getattr(importlib.import_module(module), cls_name)
-            original = cls.__dict__[method]
+            own = method in cls.__dict__
+            original = cls.__dict__[method] if own else getattr(cls, method)
 
             def make(fn, name):
                 @functools.wraps(fn)
                 def inner(*args, **kwargs):
-                    with torch.profiler.record_function(name):
+                    with scope(name):
                         return fn(*args, **kwargs)
                 return inner
             if isinstance(original, staticmethod):
                 setattr(cls, method, staticmethod(make(original.__func__, label)))
             else:
                 setattr(cls, method, make(original, label))
-            saved.append((cls, method, original))
+            saved.append((cls, method, original if own else None))
         yield
     finally:
         for cls, method, original in reversed(saved):
-            setattr(cls, method, original)
+            if original is None:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, original)
+
+
+class HostSplit:
+    """Exclusive host time per label (a range's time minus that of the ranges opened inside it),
+    from perf_counter alone: no profiler, no device events. Use as `scope` of wrapped()."""
+
+    def __init__(self):
+        self.exclusive: dict[str, float] = {}
+        self._children: list[float] = []   # per open range: time spent in ranges opened inside it
+
+    @contextlib.contextmanager
+    def __call__(self, label: str):
+        import time
+        t0 = time.perf_counter()
+        self._children.append(0.0)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - t0
+            inside = self._children.pop()
+            self.exclusive[label] = self.exclusive.get(label, 0.0) + took - inside
+            if self._children:
+                self._children[-1] += took
+
+    def take(self) -> dict[str, float]:
+        """The exclusive seconds so far, reset."""
+        out, self.exclusive = self.exclusive, {}
+        return out
+
+
+def host_split_steps(loop, steps: int) -> dict:
+    """Bare speculative steps (no profiler) cut into the host's exclusive time per wrapped range,
+    "wait" (blocked in tolist / an event synchronize: the GPU still working) and "(loop)" (the loop's
+    own Python between the engine calls); medians in us per step, and the step's wall time. The
+    host time outside "wait" is what the GPU can wait on: at b 1 a step's device work is serial
+    behind it."""
+    split = HostSplit()
+    per: list[dict[str, float]] = []
+    with wrapped(WRAPPED + WAITS, scope=split):
+        for _ in range(steps):
+            with split("(loop)"):
+                loop.spec()
+            per.append(split.take())
+    labels = sorted({k for s in per for k in s})
+    med = {k: 1e6 * statistics.median(s.get(k, 0.0) for s in per) for k in labels}
+    step_us = 1e6 * statistics.median(sum(s.values()) for s in per)
+    host_us = 1e6 * statistics.median(sum(v for k, v in s.items() if k != "wait") for s in per)
+    return {"step_us": step_us, "host_us": host_us, "exclusive_us": med}
 
 
 def trace_events(trace: dict) -> tuple[list[tuple[float, float, str]], list[tuple[str, float, float]]]:
@@ -209,12 +272,13 @@ def main() -> int:
         for _ in range(4):
             loop.spec()
         plain_us = unprofiled_step_us(loop, a.steps)
+        split = host_split_steps(loop, a.steps)
         trace = profile_steps(loop, a.steps)
         loop.close()
         if a.keep_trace and i == 0:
             with gzip.open(ROOT / "bench" / "results" / f"gaps_trace_b{b}.json.gz", "wt") as f:
                 json.dump(trace, f)
-        rows.append({"batch": b, "unprofiled_step_us": plain_us, **summarize(per_step(trace))})
+        rows.append({"batch": b, "unprofiled_step_us": plain_us, "host_split": split, **summarize(per_step(trace))})
         print(f"batch {b}: { {k: v for k, v in rows[-1].items() if k != 'waits'} }", flush=True)
     path = write_result("gaps", {"benchmark": "gaps", "environment": environment(), "target": a.target,
                                  "draft": a.draft, "k": a.k, "steps": a.steps, "rows": rows})
@@ -229,6 +293,15 @@ def main() -> int:
         print(table(r["waits"], [("range", "range", "s"), ("after", "after", "s"), ("before", "before", "s"),
                                  ("us_per_step", "us/step", ".0f"), ("gaps_per_step", "gaps/step", ".1f"),
                                  ("median_gap_us", "median gap", ".1f")]))
+    split_labels = sorted({k for r in rows for k in r["host_split"]["exclusive_us"]},
+                          key=lambda k: -max(r["host_split"]["exclusive_us"].get(k, 0.0) for r in rows))
+    print("\nus per speculative step without the profiler (medians): the host's exclusive time in each "
+          "wrapped range (wait: blocked on the GPU in tolist / an event synchronize; (loop): the loop's own Python)")
+    print(table([{"range": k, **{f"b{r['batch']}": r["host_split"]["exclusive_us"].get(k, 0.0) for r in rows}}
+                 for k in split_labels]
+                + [{"range": "step (timed here)", **{f"b{r['batch']}": r["host_split"]["step_us"] for r in rows}},
+                   {"range": "host outside wait", **{f"b{r['batch']}": r["host_split"]["host_us"] for r in rows}}],
+                [("range", "range", "s")] + [(f"b{r['batch']}", f"b {r['batch']}", ".0f") for r in rows]))
     print("\nus per speculative step (medians): the step's wall time without the profiler and under it, "
           "the GPU's busy and idle time, and the idle time by the innermost host range open meanwhile")
     print(table(flat, [("batch", "b", "d"), ("bare", "step bare", ".0f"), ("window", "step traced", ".0f"), ("busy", "GPU busy", ".0f"),

@@ -82,3 +82,30 @@ def test_waits_name_the_ops_on_either_side_of_each_gap_and_the_range_charged_mos
     assert s["waits"] == [{"range": "graphs.stage", "after": "k1", "before": "k2", "us_per_step": 20,
                            "gaps_per_step": 1, "median_gap_us": 20}]
     assert gaps.short("x" * 50, 10) == "xxxxxxx..." and gaps.short("k1") == "k1"
+
+
+def test_host_split_charges_each_range_its_own_time_without_the_ranges_inside_it(monkeypatch):
+    # A fake clock: every perf_counter call moves 1 s on; enter/exit of each scope reads it once.
+    import time
+    ticks = iter(range(1000))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
+    split = gaps.HostSplit()
+    with split("outer"):             # t 0 .. 7
+        with split("inner"):         # t 1 .. 4
+            with split("wait"):      # t 2 .. 3
+                pass
+        with split("inner"):         # t 5 .. 6
+            pass
+    assert split.take() == {"outer": 7 - 3 - 1, "inner": (3 - 1) + 1, "wait": 1}
+    assert split.take() == {}        # reset
+
+
+def test_inherited_methods_are_wrapped_and_the_override_removed_after():
+    import torch
+    split = gaps.HostSplit()
+    assert "tolist" not in torch.Tensor.__dict__
+    with gaps.wrapped(gaps.WAITS[:1], scope=split):
+        assert torch.tensor([1, 2]).tolist() == [1, 2]
+        assert "tolist" in torch.Tensor.__dict__
+    assert "tolist" not in torch.Tensor.__dict__ and torch.tensor([3]).tolist() == [3]
+    assert set(split.take()) == {"wait"}
