@@ -45,6 +45,14 @@ WRAPPED = [
 ]
 
 
+# Finer host ranges for the bare split only: the graph launch itself, the pinning and the packed
+# copy a stage makes, the logits a replay hands back.
+SPLIT_EXTRA = [
+    ("cuda.launch", "torch.cuda", "CUDAGraph", "replay"),
+    ("pin_memory", "torch", "Tensor", "pin_memory"),
+    ("packed.fill", "specdec.staging", "PackedBuffer", "fill"),
+    ("graphs.outputs", "specdec.cuda_graphs", "GraphedForward", "_outputs"),
+]
 # The host's blocking waits for the device (the bare breakdown's "wait"): a step's results come
 # to the host through tolist; the clock's event synchronize follows it (nothing left to wait for).
 WAITS = [
@@ -123,7 +131,7 @@ def host_split_steps(loop, steps: int) -> dict:
     behind it."""
     split = HostSplit()
     per: list[dict[str, float]] = []
-    with wrapped(WRAPPED + WAITS, scope=split):
+    with wrapped(WRAPPED + SPLIT_EXTRA + WAITS, scope=split):
         for _ in range(steps):
             with split("(loop)"):
                 loop.spec()
@@ -239,6 +247,55 @@ def unprofiled_step_us(loop, steps: int) -> float:
     return statistics.median(times)
 
 
+IDLE_US = (0, 100, 300, 1000, 3000)
+
+
+def replay_after_idle(graph, device, idle_us=IDLE_US, reps: int = 15) -> dict[int, float]:
+    """Median device ms of one replay started after the GPU sat idle for each of idle_us (the host
+    spins that long after a synchronize, then records an event and replays): whether a step's
+    forward runs slower after the host work and transport that idle the GPU between steps (clocks
+    or power states coming back up), against idle 0 (launched right after the synchronize)."""
+    import time
+    stream = torch.cuda.current_stream(device)
+    out = {}
+    for us in idle_us:
+        spans = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            until = time.perf_counter() + us * 1e-6
+            while time.perf_counter() < until:
+                pass
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            spans.append(start.elapsed_time(end))
+        out[us] = statistics.median(spans)
+    return out
+
+
+def launch_after(graphs: dict, device, reps: int = 15) -> list[dict]:
+    """Host us of a graph's replay() call (cudaGraphLaunch) started on an idle GPU, right after a
+    replay of itself and right after one of each other graph (each pair: replay the first,
+    synchronize, time the second's launch, synchronize): whether launching a graph costs more
+    when another graph ran last, as every graph does in a speculative step."""
+    import time
+    rows = []
+    for name, g in graphs.items():
+        for prev_name, prev in graphs.items():
+            took = []
+            for _ in range(reps):
+                prev.replay()
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                g.replay()
+                took.append(time.perf_counter() - t0)
+                torch.cuda.synchronize(device)
+            rows.append({"graph": name, "after": prev_name, "launch_us": 1e6 * statistics.median(took)})
+    return rows
+
+
 def profile_steps(loop, steps: int) -> dict:
     """A Chrome trace (as a dict) of `steps` speculative steps of an anatomy.Loop."""
     from torch.profiler import ProfilerActivity, profile
@@ -261,7 +318,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no device events)")
     p.add_argument("--keep-trace", action="store_true")
     a = p.parse_args()
-    max_len = PROMPT + (a.steps + 8) * (a.k + 1) + 64
+    # 4 warm-up steps, then three runs of --steps: bare, split, profiled
+    max_len = PROMPT + (3 * a.steps + 8) * (a.k + 1) + 64
     with tempfile.TemporaryDirectory() as tmp:
         t_dir = write_shape_folder(Path(tmp) / "target", a.target)
         d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
@@ -278,7 +336,17 @@ def main() -> int:
         if a.keep_trace and i == 0:
             with gzip.open(ROOT / "bench" / "results" / f"gaps_trace_b{b}.json.gz", "wt") as f:
                 json.dump(trace, f)
-        rows.append({"batch": b, "unprofiled_step_us": plain_us, "host_split": split, **summarize(per_step(trace))})
+        idle, graphs = {}, {}
+        if a.device != "cpu":
+            for name, engine, q in (("target_verify", target, a.k + 1), ("target_decode", target, 1),
+                                    ("draft_decode", draft, 1)):
+                g = engine.runner.graphs.graphs.get((b, q)) if engine.runner.graphs is not None else None
+                if g is not None:
+                    idle[name] = replay_after_idle(g.graph, engine.runner.device)
+                    graphs[name] = g.graph
+        launches = launch_after(graphs, target.runner.device) if graphs else []
+        rows.append({"batch": b, "unprofiled_step_us": plain_us, "host_split": split,
+                     "replay_ms_after_idle_us": idle, "launch_after": launches, **summarize(per_step(trace))})
         print(f"batch {b}: { {k: v for k, v in rows[-1].items() if k != 'waits'} }", flush=True)
     path = write_result("gaps", {"benchmark": "gaps", "environment": environment(), "target": a.target,
                                  "draft": a.draft, "k": a.k, "steps": a.steps, "rows": rows})
@@ -302,6 +370,18 @@ def main() -> int:
                 + [{"range": "step (timed here)", **{f"b{r['batch']}": r["host_split"]["step_us"] for r in rows}},
                    {"range": "host outside wait", **{f"b{r['batch']}": r["host_split"]["host_us"] for r in rows}}],
                 [("range", "range", "s")] + [(f"b{r['batch']}", f"b {r['batch']}", ".0f") for r in rows]))
+    idle_rows = [{"graph": f"b {r['batch']} {name}", **{f"i{us}": ms for us, ms in by.items()}}
+                 for r in rows for name, by in r["replay_ms_after_idle_us"].items()]
+    if idle_rows:
+        print("\nms of one replay launched after the GPU sat idle for N us (median of 15; ratio to idle 0)")
+        print(table([{**r, **{f"x{us}": r[f"i{us}"] / r["i0"] for us in IDLE_US[1:]}} for r in idle_rows],
+                    [("graph", "graph", "s")] + [(f"i{us}", f"idle {us}", ".3f") for us in IDLE_US]
+                    + [(f"x{us}", f"x {us}", ".3f") for us in IDLE_US[1:]]))
+    launch_rows = [{"batch": r["batch"], **x} for r in rows for x in r["launch_after"]]
+    if launch_rows:
+        print("\nhost us of a graph's launch (replay() call) on an idle GPU, by the graph replayed just before it")
+        print(table(launch_rows, [("batch", "b", "d"), ("graph", "graph", "s"), ("after", "after", "s"),
+                                  ("launch_us", "launch us", ".1f")]))
     print("\nus per speculative step (medians): the step's wall time without the profiler and under it, "
           "the GPU's busy and idle time, and the idle time by the innermost host range open meanwhile")
     print(table(flat, [("batch", "b", "d"), ("bare", "step bare", ".0f"), ("window", "step traced", ".0f"), ("busy", "GPU busy", ".0f"),
