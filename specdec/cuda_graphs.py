@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.runner import ForwardBatch, padded_table
-from specdec.staging import PackedBuffer
+from specdec.runner import ForwardBatch
+from specdec.staging import PackedBuffer, Rows
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_MAX = 16  # most steps one chain runs (a draft step's k - 1)
@@ -203,12 +203,8 @@ class GraphedForward(GraphCaptures):
               tables, logit_rows) -> list[torch.Tensor]:
         """Pads one step's host arrays to bucket (b, q) and writes them in one copy. Padding tokens
         get slot -1 (no KV write), padding sequences empty query spans, padding logit rows row 0."""
-        cap, t, n = self.shape(b, q).tokens, len(ids), len(starts) - 1
-        rows = self._rows(b, q)
-        return packed.fill([ids + [0] * (cap - t), positions + [0] * (cap - t), slots + [-1] * (cap - t),
-                            starts + [t] * (b - n), ctx_lens + [q] * (b - n),
-                            padded_table(tables, self.max_blocks, b),
-                            logit_rows + [0] * (rows - len(logit_rows))])
+        return packed.fill([ids, positions, slots, starts, ctx_lens, Rows(tables, self.max_blocks), logit_rows],
+                           pads=(0, 0, -1, len(ids), q, 0, 0))
 
     def _static_batch(self, b: int, q: int) -> tuple[ForwardBatch, PackedBuffer]:
         packed = PackedBuffer(self._layout(b, q), self.device)

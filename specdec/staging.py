@@ -68,27 +68,90 @@ def pack_to_device(arrays: Sequence[tuple[Sequence[int], torch.dtype]],
     return _views(to_device(torch.frombuffer(buf, dtype=torch.uint8), device), spans)
 
 
+class Rows:
+    """A 2-D slot's contents for PackedBuffer.fill: `rows` (each at most `width` values) written
+    row-major at `width` values a row, each row padded with the slot's pad; rows past the last
+    are padded too. Block tables are a few real entries in a wide, mostly padded row: writing the
+    rows as they are spares building (and converting) the padded list."""
+
+    __slots__ = ("rows", "width")
+
+    def __init__(self, rows: Sequence[Sequence[int]], width: int):
+        self.rows, self.width = rows, width
+
+    def __len__(self) -> int:
+        return len(self.rows) * self.width
+
+
+# Host staging buffers per PackedBuffer: a fill writes one while the copy out of the other may
+# still be queued behind the GPU's work (a step stages a bucket at most once before its tokens come
+# back; a third fill before the first copy ran waits for it).
+HOST_BUFFERS = 2
+
+
 class PackedBuffer:
     """Fixed device views of integer arrays of fixed lengths in one buffer, laid out as
     pack_to_device lays them out, refilled by one host-to-device copy (`fill`). CUDA graphs keep
     their static inputs here: a replay's inputs arrive in one copy, with no device-side copies
-    into the graph's buffers."""
+    into the graph's buffers.
+
+    The bytes are written straight into a host buffer of the same layout that lives as long as
+    this one (pinned on CUDA, HOST_BUFFERS of them in turn), so a fill allocates and pins nothing
+    and converts only the values it is given; an event recorded after each copy keeps a host
+    buffer from being rewritten before its copy has read it."""
 
     def __init__(self, layout: Sequence[tuple[int, torch.dtype]], device: torch.device | str):
         self.layout = [(n, dtype) for n, dtype in layout]
         zeros, self.spans = _pack_host([([0] * n, dtype) for n, dtype in self.layout])
         self.buffer = torch.zeros(len(zeros), dtype=torch.uint8, device=device)  # padded to PACK_ALIGN
         self.views = _views(self.buffer, self.spans)
+        self._cuda = self.buffer.is_cuda
+        self._hosts = [torch.zeros(len(zeros), dtype=torch.uint8, pin_memory=self._cuda)
+                       for _ in range(HOST_BUFFERS if self._cuda else 1)]
+        self._bytes = [h.numpy().data for h in self._hosts]  # writable memoryviews of the host buffers
+        self._copied: list = [None] * len(self._hosts)        # CUDA event after each buffer's last copy
+        self._turn = 0
+        self._pads: dict[tuple[int, int], bytes] = {}         # (slot, pad) -> the slot's bytes all pad
+
+    def _pad_bytes(self, slot: int, pad) -> bytes:
+        key = (slot, pad)
+        if key not in self._pads:
+            n, dtype = self.layout[slot]
+            self._pads[key] = array(_TYPECODES[dtype], [pad] * n).tobytes()
+        return self._pads[key]
 
     @torch.inference_mode()  # the buffer may be an inference tensor (made during graph capture)
-    def fill(self, arrays: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Writes each array (exactly its slot's length) in one staged copy; returns the views."""
-        if len(arrays) != len(self.layout) or any(len(a) != n for a, (n, _) in zip(arrays, self.layout)):
+    def fill(self, arrays: Sequence, pads: Sequence | None = None) -> list[torch.Tensor]:
+        """Writes each array into its slot in one staged copy; returns the views. Without pads
+        every array has exactly its slot's length; with pads, a shorter array (or a Rows) is
+        padded with its slot's pad value (None: exact length required for that slot)."""
+        if len(arrays) != len(self.layout) or any(
+                len(a) > n or (len(a) < n or isinstance(a, Rows)) and (pads is None or pads[i] is None)
+                for i, (a, (n, _)) in enumerate(zip(arrays, self.layout))):
             raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
-                             f"layout {[n for n, _ in self.layout]}")
-        buf, _ = _pack_host([(a, dtype) for a, (_, dtype) in zip(arrays, self.layout)])
-        host = torch.frombuffer(buf, dtype=torch.uint8)
-        cuda = self.buffer.is_cuda
+                             f"layout {[n for n, _ in self.layout]}"
+                             + ("" if pads is None else f", pads {list(pads)}"))
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._hosts)
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()   # done long ago unless fills come faster than copies
+        mv = self._bytes[turn]
+        for i, (a, (off, n, dtype)) in enumerate(zip(arrays, self.spans)):
+            code, size = _TYPECODES[dtype], dtype.itemsize
+            if len(a) < n or isinstance(a, Rows):
+                mv[off:off + n * size] = self._pad_bytes(i, pads[i])
+            if isinstance(a, Rows):
+                for r, row in enumerate(a.rows):
+                    if len(row) > a.width:
+                        raise ValueError(f"PackedBuffer.fill: a row of {len(row)} values, width {a.width}")
+                    at = off + r * a.width * size
+                    mv[at:at + len(row) * size] = memoryview(array(code, row)).cast("B")
+            elif len(a):
+                mv[off:off + len(a) * size] = memoryview(array(code, a)).cast("B")
         # Pinned: a DMA queued on the stream (after any replay still reading the buffer), no sync.
-        self.buffer[:len(buf)].copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+        self.buffer.copy_(self._hosts[turn], non_blocking=self._cuda)
+        if self._cuda:
+            if self._copied[turn] is None:
+                self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record(torch.cuda.current_stream(self.buffer.device))
         return self.views

@@ -86,3 +86,42 @@ def test_packed_buffer_keeps_its_views_and_refills_them_in_place(device):
     assert [r.data_ptr() - reference[0].data_ptr() for r in reference] == [p - ptrs[0] for p in ptrs]
     with pytest.raises(ValueError, match="lengths"):
         buf.fill([[1, 2], [4, 5], [6, 7, 8, 9, 10], [1]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_buffer_pads_short_arrays_and_rows_with_each_slots_pad(device):
+    """fill(pads=...): a shorter array is padded with its slot's pad; Rows are written row-major at
+    their width, each row and the rows past the last padded; what an earlier fill left is gone."""
+    from specdec.staging import Rows
+    layout = [(4, torch.int64), (3, torch.int32), (2 * 3, torch.int32), (2, torch.float32)]
+    buf = PackedBuffer(layout, device)
+    buf.fill([[9] * 4, [9] * 3, [9] * 6, [9.0, 9.0]])
+    out = buf.fill([[5], [1, 2], Rows([[7, 8]], 3), [0.5, 0.25]], pads=(-1, 4, 0, None))
+    assert [v.tolist() for v in out] == [[5, -1, -1, -1], [1, 2, 4], [7, 8, 0, 0, 0, 0], [0.5, 0.25]]
+    out = buf.fill([[], [3, 3, 3], Rows([[1], [2, 3, 4]], 3), [1.0, 2.0]], pads=(0, 0, -2, None))
+    assert [v.tolist() for v in out] == [[0, 0, 0, 0], [3, 3, 3], [1, -2, -2, 2, 3, 4], [1.0, 2.0]]
+    with pytest.raises(ValueError, match="lengths"):     # too long, pad or not
+        buf.fill([[1] * 5, [1], [], [1.0, 1.0]], pads=(0, 0, 0, None))
+    with pytest.raises(ValueError, match="lengths"):     # short where the slot has no pad
+        buf.fill([[1] * 4, [1] * 3, [0] * 6, [1.0]], pads=(0, 0, 0, None))
+    with pytest.raises(ValueError, match="lengths"):     # short without pads at all
+        buf.fill([[1] * 4, [1] * 3, [0] * 5, [1.0, 1.0]])
+    with pytest.raises(ValueError, match="width"):
+        buf.fill([[1] * 4, [1] * 3, Rows([[1, 2, 3, 4]], 3), [1.0, 1.0]], pads=(0, 0, 0, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on the device machine)")
+def test_packed_buffer_fills_faster_than_the_gpu_copies_them_keep_every_fills_bytes():
+    """Fills queued behind a long kernel: each copy must read its own fill's host bytes, though the
+    host buffers are reused (HOST_BUFFERS of them) before the GPU has run the first copies."""
+    from specdec import staging
+    layout = [(1024, torch.int64)]
+    buf = PackedBuffer(layout, "cuda")
+    outs = []
+    torch.cuda._sleep(50_000_000)                    # ~tens of ms of GPU time ahead of the copies
+    for i in range(2 * staging.HOST_BUFFERS + 1):
+        (v,) = buf.fill([[i] * 1024])
+        outs.append(v.clone())                       # queued after fill i's copy, before fill i + 1's
+    torch.cuda.synchronize()
+    assert [o.unique().tolist() for o in outs] == [[i] for i in range(len(outs))]
