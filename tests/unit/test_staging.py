@@ -112,16 +112,22 @@ def test_packed_buffer_pads_short_arrays_and_rows_with_each_slots_pad(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on the device machine)")
-def test_packed_buffer_fills_faster_than_the_gpu_copies_them_keep_every_fills_bytes():
+@pytest.mark.parametrize("side", [False, True], ids=["current-stream", "side-stream-after-current"])
+def test_packed_buffer_fills_faster_than_the_gpu_copies_them_keep_every_fills_bytes(side):
     """Fills queued behind a long kernel: each copy must read its own fill's host bytes, though the
-    host buffers are reused (HOST_BUFFERS of them) before the GPU has run the first copies."""
+    host buffers are reused (HOST_BUFFERS of them) before the GPU has run the first copies; also
+    when the fills move to another stream than the one the buffer saw last (its event must follow
+    the copy onto that stream)."""
     from specdec import staging
-    layout = [(1024, torch.int64)]
-    buf = PackedBuffer(layout, "cuda")
+    buf = PackedBuffer([(1024, torch.int64)], "cuda")
+    buf.fill([[-1] * 1024])                          # seen on the current stream first
+    stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
     outs = []
-    torch.cuda._sleep(50_000_000)                    # ~tens of ms of GPU time ahead of the copies
-    for i in range(2 * staging.HOST_BUFFERS + 1):
-        (v,) = buf.fill([[i] * 1024])
-        outs.append(v.clone())                       # queued after fill i's copy, before fill i + 1's
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)                # ~tens of ms of GPU time ahead of the copies
+        for i in range(2 * staging.HOST_BUFFERS + 1):
+            (v,) = buf.fill([[i] * 1024])
+            outs.append(v.clone())                   # queued after fill i's copy, before fill i + 1's
+        assert buf._current_stream().cuda_stream == stream.cuda_stream
     torch.cuda.synchronize()
     assert [o.unique().tolist() for o in outs] == [[i] for i in range(len(outs))]
