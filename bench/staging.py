@@ -7,7 +7,7 @@ Side by side in one process, in alternating rounds (medians of the rounds' per-f
 - per_fill_pin: the path before session 20: the padded arrays packed into a new bytearray, wrapped
   in a tensor, pinned (torch's caching host allocator, a host copy) and copied;
 - persistent: specdec.staging.PackedBuffer.fill: the values written into host buffers of the
-  layout that live with it (pinned, two in turn, an event after each copy), short arrays padded
+  layout that live with it (pinned, a ring of them, an event after each copy), short arrays padded
   by slot and block tables written row by row;
 and the pieces under both: a `torch.cuda.current_stream` lookup, an event record, one pinned
 copy. Layouts: a target verify bucket (b 1 and 8 sequences x 5 tokens), a draft decode bucket
@@ -96,7 +96,7 @@ def main() -> int:
             "current_stream": lambda: torch.cuda.current_stream(dev),
             "raw_stream": lambda: torch._C._cuda_getCurrentRawStream(dev.index or 0),
             "event_record": lambda: torch.cuda.Event().record(),
-            "pinned_copy": lambda: packed.buffer.copy_(packed._hosts[0], non_blocking=True),
+            "pinned_copy": lambda: packed.buffer.copy_(packed.ring.hosts[0], non_blocking=True),
         }
         runs: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(a.rounds):

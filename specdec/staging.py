@@ -83,10 +83,59 @@ class Rows:
         return len(self.rows) * self.width
 
 
-# Host staging buffers per PackedBuffer: a fill writes one while the copy out of the other may
-# still be queued behind the GPU's work (a step stages a bucket at most once before its tokens come
-# back; a third fill before the first copy ran waits for it).
-HOST_BUFFERS = 2
+# Host staging buffers per PackedBuffer (HostRing): most buckets are staged once a step, but a
+# draft that cannot chain stages its single-token bucket at every position, with no sync between.
+MAX_HOST_BUFFERS = 16
+
+
+class HostRing:
+    """The host staging buffers of one PackedBuffer, taken in turn. A buffer whose last copy may
+    not have run yet (its event not complete) is passed over, and the ring grows by one (up to
+    `limit`) rather than wait for it; only a full ring waits, for the oldest copy. Fills faster than
+    the GPU takes their copies then neither block nor overwrite bytes a queued copy still reads.
+    Without events (the CPU: copies are done when copy_ returns) one buffer serves."""
+
+    def __init__(self, nbytes: int, pinned: bool, limit: int = MAX_HOST_BUFFERS):
+        self.nbytes, self.pinned, self.limit = nbytes, pinned, limit
+        self.hosts: list[torch.Tensor] = []
+        self.bytes: list[memoryview] = []    # writable views of the hosts' memory
+        self.events: list = []               # per host, the event recorded after its last copy
+        self.order: list[int] = []           # per host, when its last copy was queued (a count)
+        self.turn = 0
+        self._queued = 0
+        self._grow()
+
+    def _grow(self) -> None:
+        host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.hosts.append(host)
+        self.bytes.append(host.numpy().data)
+        self.events.append(None)
+        self.order.append(0)
+
+    def take(self) -> int:
+        """The index of a host buffer free to write."""
+        n = len(self.hosts)
+        for i in range(n):
+            j = (self.turn + i) % n
+            if self.events[j] is None or self.events[j].query():
+                break
+        else:
+            if n < self.limit:
+                self._grow()
+                j = n
+            else:
+                j = self.turn   # the oldest copy still queued
+                self.events[j].synchronize()
+        self.turn = (j + 1) % len(self.hosts)
+        return j
+
+    def copied(self, j: int, event_factory, stream) -> None:
+        """The copy out of host j is queued on `stream`: j is busy until an event after it."""
+        if self.events[j] is None:
+            self.events[j] = event_factory()
+        self.events[j].record(stream)
+        self._queued += 1
+        self.order[j] = self._queued
 
 
 class PackedBuffer:
@@ -96,9 +145,9 @@ class PackedBuffer:
     into the graph's buffers.
 
     The bytes are written straight into a host buffer of the same layout that lives as long as
-    this one (pinned on CUDA, HOST_BUFFERS of them in turn), so a fill allocates and pins nothing
-    and converts only the values it is given; an event recorded after each copy keeps a host
-    buffer from being rewritten before its copy has read it."""
+    this one (pinned on CUDA; a HostRing of them), so a fill allocates and pins nothing and
+    converts only the values it is given; an event recorded after each copy keeps a host buffer
+    from being rewritten before its copy has read it."""
 
     def __init__(self, layout: Sequence[tuple[int, torch.dtype]], device: torch.device | str):
         self.layout = [(n, dtype) for n, dtype in layout]
@@ -106,11 +155,7 @@ class PackedBuffer:
         self.buffer = torch.zeros(len(zeros), dtype=torch.uint8, device=device)  # padded to PACK_ALIGN
         self.views = _views(self.buffer, self.spans)
         self._cuda = self.buffer.is_cuda
-        self._hosts = [torch.zeros(len(zeros), dtype=torch.uint8, pin_memory=self._cuda)
-                       for _ in range(HOST_BUFFERS if self._cuda else 1)]
-        self._bytes = [h.numpy().data for h in self._hosts]  # writable memoryviews of the host buffers
-        self._copied: list = [None] * len(self._hosts)        # CUDA event after each buffer's last copy
-        self._turn = 0
+        self.ring = HostRing(len(zeros), pinned=self._cuda)
         self._pads: dict[tuple[int, int], bytes] = {}         # (slot, pad) -> the slot's bytes all pad
         self._stream = None                                   # the last current stream seen (CUDA)
 
@@ -141,11 +186,8 @@ class PackedBuffer:
             raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
                              f"layout {[n for n, _ in self.layout]}"
                              + ("" if pads is None else f", pads {list(pads)}"))
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._hosts)
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()   # done long ago unless fills come faster than copies
-        mv = self._bytes[turn]
+        turn = self.ring.take()
+        mv = self.ring.bytes[turn]
         for i, (a, (off, n, dtype)) in enumerate(zip(arrays, self.spans)):
             code, size = _TYPECODES[dtype], dtype.itemsize
             if len(a) < n or isinstance(a, Rows):
@@ -159,9 +201,7 @@ class PackedBuffer:
             elif len(a):
                 mv[off:off + len(a) * size] = memoryview(array(code, a)).cast("B")
         # Pinned: a DMA queued on the stream (after any replay still reading the buffer), no sync.
-        self.buffer.copy_(self._hosts[turn], non_blocking=self._cuda)
+        self.buffer.copy_(self.ring.hosts[turn], non_blocking=self._cuda)
         if self._cuda:
-            if self._copied[turn] is None:
-                self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record(self._current_stream())
+            self.ring.copied(turn, torch.cuda.Event, self._current_stream())
         return self.views

@@ -114,20 +114,60 @@ def test_packed_buffer_pads_short_arrays_and_rows_with_each_slots_pad(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on the device machine)")
 @pytest.mark.parametrize("side", [False, True], ids=["current-stream", "side-stream-after-current"])
 def test_packed_buffer_fills_faster_than_the_gpu_copies_them_keep_every_fills_bytes(side):
-    """Fills queued behind a long kernel: each copy must read its own fill's host bytes, though the
-    host buffers are reused (HOST_BUFFERS of them) before the GPU has run the first copies; also
-    when the fills move to another stream than the one the buffer saw last (its event must follow
-    the copy onto that stream)."""
-    from specdec import staging
+    """Fills queued behind a long kernel: each copy must read its own fill's host bytes, whether the
+    ring grows past the copies still queued or, full, waits for the oldest; also when the fills
+    move to another stream than the one the buffer saw last (its event must follow the copy onto
+    that stream)."""
     buf = PackedBuffer([(1024, torch.int64)], "cuda")
     buf.fill([[-1] * 1024])                          # seen on the current stream first
+    torch.cuda.synchronize()
+    buf.ring.limit = 3                               # 7 fills: the ring grows to 3, then waits
     stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
     outs = []
     with torch.cuda.stream(stream):
         torch.cuda._sleep(50_000_000)                # ~tens of ms of GPU time ahead of the copies
-        for i in range(2 * staging.HOST_BUFFERS + 1):
+        for i in range(7):
             (v,) = buf.fill([[i] * 1024])
             outs.append(v.clone())                   # queued after fill i's copy, before fill i + 1's
         assert buf._current_stream().cuda_stream == stream.cuda_stream
     torch.cuda.synchronize()
     assert [o.unique().tolist() for o in outs] == [[i] for i in range(len(outs))]
+    assert len(buf.ring.hosts) == 3
+
+
+class _FakeEvent:
+    """A copy's completion event: query() is what the test says; synchronize() completes it."""
+
+    def __init__(self):
+        self.done, self.recorded, self.waited = False, 0, 0
+
+    def record(self, stream):
+        self.done = False
+        self.recorded += 1
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_host_ring_passes_over_busy_buffers_grows_to_its_limit_then_waits_for_the_oldest():
+    from specdec.staging import HostRing
+    ring = HostRing(8, pinned=False, limit=3)
+    assert ring.take() == 0 and ring.take() == 0           # never copied from: free, no growth
+    ring.copied(0, _FakeEvent, None)                       # copy 0 queued, not run
+    assert ring.take() == 1 and len(ring.hosts) == 2       # grows instead of waiting
+    ring.copied(1, _FakeEvent, None)
+    ring.events[0].done = True                             # copy 0 ran: buffer 0 is free again
+    assert ring.take() == 0 and len(ring.hosts) == 2
+    ring.copied(0, _FakeEvent, None)
+    assert ring.take() == 2 and len(ring.hosts) == 3       # 0 and 1 busy: the third buffer
+    ring.copied(2, _FakeEvent, None)
+    waited = [e.waited for e in ring.events]
+    j = ring.take()                                        # all busy at the limit: waits for one
+    assert len(ring.hosts) == 3 and ring.events[j].waited == waited[j] + 1
+    assert sum(e.waited for e in ring.events) == sum(waited) + 1
+    assert j == 1                                          # the oldest copy queued (1, then 0, then 2)
+    assert [bytes(b) for b in ring.bytes] == [bytes(8)] * 3 and all(not h.is_pinned() for h in ring.hosts)
