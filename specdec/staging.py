@@ -124,7 +124,7 @@ class HostRing:
                 self._grow()
                 j = n
             else:
-                j = self.turn   # the oldest copy still queued
+                j = min(range(n), key=self.order.__getitem__)   # the oldest copy still queued
                 self.events[j].synchronize()
         self.turn = (j + 1) % len(self.hosts)
         return j
