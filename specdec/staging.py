@@ -156,7 +156,7 @@ class PackedBuffer:
         self.views = _views(self.buffer, self.spans)
         self._cuda = self.buffer.is_cuda
         self.ring = HostRing(len(zeros), pinned=self._cuda)
-        self._pads: dict[tuple[int, int], bytes] = {}         # (slot, pad) -> the slot's bytes all pad
+        self._pads: dict[tuple, bytes] = {}                   # (slot, pad) -> the slot's bytes all pad
         self._stream = None                                   # the last current stream seen (CUDA)
 
     def _current_stream(self):
@@ -169,7 +169,9 @@ class PackedBuffer:
         return self._stream
 
     def _pad_bytes(self, slot: int, pad) -> bytes:
-        key = (slot, pad)
+        # Keyed by the pad's type and repr, not its value: -0.0 == 0.0 == 0 would share bytes (the
+        # sign of a float pad), and a NaN never equals itself (a new entry per fill).
+        key = (slot, type(pad), repr(pad))
         if key not in self._pads:
             n, dtype = self.layout[slot]
             self._pads[key] = array(_TYPECODES[dtype], [pad] * n).tobytes()
@@ -180,7 +182,7 @@ class PackedBuffer:
         """Writes each array into its slot in one staged copy; returns the views. Without pads
         every array has exactly its slot's length; with pads, a shorter array (or a Rows) is
         padded with its slot's pad value (None: exact length required for that slot)."""
-        if len(arrays) != len(self.layout) or any(
+        if len(arrays) != len(self.layout) or (pads is not None and len(pads) != len(arrays)) or any(
                 len(a) > n or (len(a) < n or isinstance(a, Rows)) and (pads is None or pads[i] is None)
                 for i, (a, (n, _)) in enumerate(zip(arrays, self.layout))):
             raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
