@@ -11,6 +11,9 @@ speculative step at b 8 take 6.7 ms in process for ~4.9 ms of device work, and t
 span 0.2-0.4 ms longer than its prepare plus a replay; this says which host work the GPU waits on.
 Medians per step over --steps steps. Writes bench/results/gaps.json (and keeps the Chrome trace of
 the first batch size in bench/results/gaps_trace_b<B>.json.gz with --keep-trace).
+`--compare A=a1.json B=b1.json A=a2.json ...` runs nothing: it prints the bare host splits of
+earlier results side by side (medians per label, ratios to the first label); `gpu_suite.sh gaps-ab`
+runs gaps.py over another commit's packages and this tree in turn and compares them so.
 """
 from __future__ import annotations
 
@@ -310,14 +313,59 @@ def profile_steps(loop, steps: int) -> dict:
         return json.loads(path.read_text())
 
 
+def compare(runs: list[tuple[str, dict]]) -> list[dict]:
+    """Bare host splits of several gaps.json results side by side: per (batch, range) the median
+    over each label's runs of the range's exclusive us a step (the step and the host time outside
+    waits as ranges too), and each label's ratio to the first label's. runs: (label, result) in
+    the order the labels should appear (an A/B: runs of one code alternating with another's)."""
+    labels = list(dict.fromkeys(label for label, _ in runs))
+    values: dict[tuple[int, str], dict[str, list[float]]] = {}
+    for label, result in runs:
+        for r in result["rows"]:
+            split = r["host_split"]
+            ranges = {**split["exclusive_us"], "step": split["step_us"], "host outside wait": split["host_us"]}
+            for name, us in ranges.items():
+                values.setdefault((r["batch"], name), {}).setdefault(label, []).append(us)
+    rows = []
+    for (batch, name), by in sorted(values.items(), key=lambda kv: (kv[0][0], -max(max(v) for v in kv[1].values()))):
+        row = {"batch": batch, "range": name, **{lab: statistics.median(by[lab]) if lab in by else None for lab in labels}}
+        base = row[labels[0]]
+        for lab in labels[1:]:
+            row[f"{lab}/{labels[0]}"] = row[lab] / base if base and row[lab] is not None else None
+        rows.append(row)
+    return rows
+
+
+def main_compare(specs: list[str]) -> int:
+    runs = []
+    for spec in specs:
+        label, _, path = spec.partition("=")
+        if not path:
+            raise SystemExit(f"--compare takes LABEL=PATH, got {spec!r}")
+        runs.append((label, json.loads(Path(path).read_text())))
+    rows = compare(runs)
+    labels = list(dict.fromkeys(label for label, _ in runs))
+    n = {lab: sum(1 for label, _ in runs if label == lab) for lab in labels}
+    print("host us a speculative step without the profiler, exclusive per range: median over each side's runs "
+          + ", ".join(f"{lab} ({n[lab]} runs)" for lab in labels))
+    print(table(rows, [("batch", "b", "d"), ("range", "range", "s")] + [(lab, lab, ".0f") for lab in labels]
+                + [(f"{lab}/{labels[0]}", f"{lab}/{labels[0]}", ".2f") for lab in labels[1:]]))
+    return 0
+
+
 def main() -> int:
-    from anatomy import Loop, PROMPT, engines, pair_args
-    from services import write_shape_folder
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pair_args(p, steps=16)
+    p.add_argument("--compare", nargs="+", metavar="LABEL=PATH",
+                   help="no run: the bare host splits of earlier gaps.json results side by side")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no device events)")
     p.add_argument("--keep-trace", action="store_true")
+    from anatomy import pair_args
+    pair_args(p, steps=16)
     a = p.parse_args()
+    if a.compare:
+        return main_compare(a.compare)
+    from anatomy import Loop, PROMPT, engines
+    from services import write_shape_folder
     # 4 warm-up steps, then three runs of --steps: bare, split, profiled
     max_len = PROMPT + (3 * a.steps + 8) * (a.k + 1) + 64
     with tempfile.TemporaryDirectory() as tmp:

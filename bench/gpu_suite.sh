@@ -9,7 +9,8 @@
 #         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), e2e-trace
 #         (the transport's parts per call: bench/trace_steps.py; TRACE_ARGS, default --drafts llama-68m), wakeup
 #         (how fast a process notices a frame, by how it waits: bench/wakeup.py), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
-#         anatomy (ANATOMY_ARGS), gaps (where the GPU waits in a speculative step; GAPS_ARGS), tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
+#         anatomy (ANATOMY_ARGS), gaps (where the GPU waits in a speculative step; GAPS_ARGS), gaps-ab
+#         (GAPS_AB_BASE: another commit's packages against this tree, GAPS_AB_ROUNDS alternations), tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"), attention-grid.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
@@ -25,6 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)   # absolute: stages that run in another folder (gaps-ab) write here too
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -41,6 +43,7 @@ run() {  # name, seconds, command...
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s ===" | tee -a "$log"
   tail -n "${TAIL:-15}" "$OUT/$name.log" | cut -c1-200
+  return $rc
 }
 keep() {  # copy result JSON into $OUT (when it is not bench/results itself)
   for f in "$@"; do
@@ -80,6 +83,20 @@ for s in "$@"; do
           keep cost_coefficient.json ;;
     gemv) run gemv "${GEMV_S:-120}" python3 bench/gemv.py ${GEMV_ARGS:---m 1 8}; keep gemv.json ;;
     gaps) run gaps "${GAPS_S:-150}" python3 bench/gaps.py ${GAPS_ARGS:-}; keep gaps.json ;;
+    gaps-ab)  # gaps.py over GAPS_AB_BASE (another commit's packages, as e2e_ab.py --a-code takes them:
+              # this tree's bench is copied in, models linked) and this tree in turn, then compared
+      base=${GAPS_AB_BASE:?GAPS_AB_BASE: a folder holding the coordinator, protos, specdec, draft_server and target_server of another commit}
+      rm -rf "$base/bench" && cp -r bench "$base/" && ln -sfn "$PWD/models" "$base/models"
+      specs=()
+      for r in $(seq "${GAPS_AB_ROUNDS:-2}"); do
+        for side in A B; do
+          dir=.; [ "$side" = A ] && dir=$base
+          (cd "$dir" && run "gaps-$side$r" "${GAPS_S:-150}" python3 bench/gaps.py ${GAPS_ARGS:-} \
+            && cp bench/results/gaps.json "$OUT/gaps_$side$r.json")
+          [ -f "$OUT/gaps_$side$r.json" ] && specs+=("$side=$OUT/gaps_$side$r.json")
+        done
+      done
+      TAIL=60 run gaps-ab 30 python3 bench/gaps.py --compare "${specs[@]}" ;;
     anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py ${ANATOMY_ARGS:-}; keep anatomy.json ;;
     # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the all-reduce paths, TP=2 against TP=1
     tests-tp) run tests-tp "${TP_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \

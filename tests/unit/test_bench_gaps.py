@@ -109,3 +109,19 @@ def test_inherited_methods_are_wrapped_and_the_override_removed_after():
         assert "tolist" in torch.Tensor.__dict__
     assert "tolist" not in torch.Tensor.__dict__ and torch.tensor([3]).tolist() == [3]
     assert set(split.take()) == {"wait"}
+
+
+def test_compare_puts_each_labels_median_split_side_by_side_with_ratios_to_the_first():
+    def result(step, fill, batch=1):
+        return {"rows": [{"batch": batch, "host_split": {"step_us": step, "host_us": step / 10,
+                                                          "exclusive_us": {"packed.fill": fill, "wait": step - 100}}}]}
+    runs = [("A", result(1000, 50)), ("B", result(900, 20)), ("A", result(1300, 90)), ("B", result(950, 30)),
+            ("A", result(1100, 60))]                                        # medians, not means
+    rows = {(r["batch"], r["range"]): r for r in gaps.compare(runs)}
+    fill = rows[(1, "packed.fill")]
+    assert (fill["A"], fill["B"]) == (60, 25) and fill["B/A"] == pytest.approx(25 / 60)
+    assert (rows[(1, "step")]["A"], rows[(1, "step")]["B"]) == (1100, 925)
+    assert rows[(1, "host outside wait")]["B"] == 92.5
+    assert [r["range"] for r in gaps.compare(runs)][0] == "step"          # largest first within a batch
+    only_b = gaps.compare([("A", result(1000, 50)), ("B", result(900, 20, batch=8))])
+    assert {(r["batch"], r["A"], r["B"]) for r in only_b if r["range"] == "packed.fill"} == {(1, 50, None), (8, None, 20)}
