@@ -142,27 +142,36 @@ def replay_ms(engine, b: int, q: int) -> float | None:  # None: no such graph (o
     return do_bench(g.graph.replay, warmup=5, rep=40, return_mode="median") if g is not None else None
 
 
-def launch_ms(engine, b: int, q: int, reps: int = 20) -> tuple[float | None, float | None]:
-    """A replay started on an idle GPU, as a server's step starts one: (host ms of the replay()
-    call, device ms from an event recorded just before it to one just after). The span's excess
-    over replay_ms (back-to-back replays, where each launch hides behind the previous replay) is
-    what launching the graph costs the step. None without the graph."""
-    g = engine.runner.graphs.graphs.get((b, q)) if engine.runner.graphs is not None else None
-    if g is None:
-        return None, None
+def timed_launch(graph, device, reps: int = 20, idle_us: float = 0) -> tuple[float, float]:
+    """A replay started on an idle GPU, `idle_us` after a synchronize (the host spins meanwhile):
+    (median host ms of the replay() call, median device ms from an event recorded just before it
+    to one just after)."""
     host, spans = [], []
-    device = engine.runner.device
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
+        until = time.perf_counter() + idle_us * 1e-6
+        while time.perf_counter() < until:
+            pass
         start.record(torch.cuda.current_stream(device))
         t0 = time.perf_counter()
-        g.graph.replay()
+        graph.replay()
         host.append(time.perf_counter() - t0)
         end.record(torch.cuda.current_stream(device))
         end.synchronize()
         spans.append(start.elapsed_time(end))
     return 1e3 * statistics.median(host), statistics.median(spans)
+
+
+def launch_ms(engine, b: int, q: int, reps: int = 20) -> tuple[float | None, float | None]:
+    """A replay started on an idle GPU, as a server's step starts one (timed_launch): (host ms of
+    the replay() call, device ms of its span). The span's excess over replay_ms (back-to-back
+    replays, where each launch hides behind the previous replay) is what launching the graph
+    costs the step. None without the graph."""
+    g = engine.runner.graphs.graphs.get((b, q)) if engine.runner.graphs is not None else None
+    if g is None:
+        return None, None
+    return timed_launch(g.graph, engine.runner.device, reps)
 
 
 def chain_ms(engine, b: int) -> float | None:

@@ -24,6 +24,7 @@ import gzip
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from common import ROOT, environment, table, write_result
@@ -108,7 +109,6 @@ class HostSplit:
 
     @contextlib.contextmanager
     def __call__(self, label: str):
-        import time
         t0 = time.perf_counter()
         self._children.append(0.0)
         try:
@@ -241,7 +241,6 @@ def summarize(steps: list[dict], top: int = 10) -> dict:
 def unprofiled_step_us(loop, steps: int) -> float:
     """The median wall time of a speculative step without the profiler (each step ends on the host
     with its tokens): how much the trace's instrumentation stretches the steps above."""
-    import time
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -254,28 +253,12 @@ IDLE_US = (0, 100, 300, 1000, 3000)
 
 
 def replay_after_idle(graph, device, idle_us=IDLE_US, reps: int = 15) -> dict[int, float]:
-    """Median device ms of one replay started after the GPU sat idle for each of idle_us (the host
-    spins that long after a synchronize, then records an event and replays): whether a step's
-    forward runs slower after the host work and transport that idle the GPU between steps (clocks
-    or power states coming back up), against idle 0 (launched right after the synchronize)."""
-    import time
-    stream = torch.cuda.current_stream(device)
-    out = {}
-    for us in idle_us:
-        spans = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            until = time.perf_counter() + us * 1e-6
-            while time.perf_counter() < until:
-                pass
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            end.synchronize()
-            spans.append(start.elapsed_time(end))
-        out[us] = statistics.median(spans)
-    return out
+    """Median device ms of one replay started after the GPU sat idle for each of idle_us
+    (anatomy.timed_launch): whether a step's forward runs slower after the host work and
+    transport that idle the GPU between steps (clocks or power states coming back up), against
+    idle 0 (launched right after the synchronize)."""
+    from anatomy import timed_launch
+    return {us: timed_launch(graph, device, reps, idle_us=us)[1] for us in idle_us}
 
 
 def launch_after(graphs: dict, device, reps: int = 15) -> list[dict]:
@@ -283,7 +266,6 @@ def launch_after(graphs: dict, device, reps: int = 15) -> list[dict]:
     replay of itself and right after one of each other graph (each pair: replay the first,
     synchronize, time the second's launch, synchronize): whether launching a graph costs more
     when another graph ran last, as every graph does in a speculative step."""
-    import time
     rows = []
     for name, g in graphs.items():
         for prev_name, prev in graphs.items():
