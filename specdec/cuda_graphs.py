@@ -27,7 +27,12 @@ takes the argmax of every row and moves the static inputs on to the next positio
 argmax, positions and context lengths + 1, slots looked up in the staged block tables). A draft
 step of k greedy tokens then costs one staged copy and k - 1 replays after its first forward,
 with no host work between them; the KV slots of all k - 1 positions are reserved before the copy
-(ModelRunner.greedy_chain). Sampled chains (capture_sampled_chains, opt-in) are the same graphs
+(ModelRunner.greedy_chain). A step whose first forward feeds 2 tokens for some sequences (the last
+draft and the bonus token after all drafts were accepted) starts on a head graph instead: bucket
+(b, 2)'s forward, each sequence's argmax into the chain's first row, and bucket (b, 1)'s static
+inputs set up on the device from (b, 2)'s, so the chain goes on from there (ModelRunner.fed_chain:
+one staged copy and one head launch where a staged forward, its logits, an argmax and a second
+staged copy were). Sampled chains (capture_sampled_chains, opt-in) are the same graphs
 with the draft's sampler in place of the argmax: each step draws its tokens with the sampler's
 staged parameters and that position's staged uniforms, writing the sampler's output rows
 (sampling/graphs.GraphedSampler.chain_pick).
@@ -162,9 +167,13 @@ class GraphedForward(GraphCaptures):
                 self.graphs[(b, q)] = self._capture(b, q, pool)
         self.chains: dict[int, _Chain] = {}
         self.sampled_chains: dict[int, _Chain] = {}
+        self.heads: dict[int, torch.cuda.CUDAGraph] = {}   # bucket b -> its head graph (fed_chain)
         if chains and 1 in self.query_lens:
             for b in reversed(self.batch_sizes):
                 self.chains[b] = self._capture_chain(b, pool)
+            if 2 in self.query_lens:
+                for b in reversed(self.batch_sizes):
+                    self.heads[b] = self._capture_head(b, pool)
 
     @property
     def context_bounds(self) -> tuple[int, ...]:
@@ -172,7 +181,7 @@ class GraphedForward(GraphCaptures):
 
     @property
     def num_graphs(self) -> int:
-        return len(self.graphs) + len(self.chains) + len(self.sampled_chains)
+        return len(self.graphs) + len(self.chains) + len(self.sampled_chains) + len(self.heads)
 
     def shape(self, b: int, q: int) -> Shape:
         """Bucket (b, q)'s rows: b x q for a decode/verify length q; for a prefill length q, one
@@ -294,6 +303,39 @@ class GraphedForward(GraphCaptures):
         graph, _ = self._record(lambda: self._chain_step(g, tokens, at, pick), pool, reset=at.zero_)
         return _Chain(graph, tokens, at)
 
+    def _head_step(self, g2: _Graph, g1: _Graph, c: _Chain) -> None:
+        """What a head graph runs: bucket (b, 2)'s forward (each sequence's feed of 1 or 2 tokens;
+        padding sequences have empty query spans), each sequence's argmax at its last row into
+        the chain's row 0 (and `at` to row 1), and bucket (b, 1)'s static inputs for the next
+        position: the argmax as its ids, positions at the context lengths after the feed, the same
+        block tables, one query token per fed sequence and none for padding, whose slot is -1."""
+        s2, s1 = g2.batch, g1.batch
+        logits = self._model(s2, self._kv, self._backend)        # every row of the bucket
+        qsl = s2.query_start_loc
+        fed = qsl[1:] > qsl[:-1]
+        ids = logits.index_select(0, (qsl[1:] - 1).clamp(min=0).to(torch.int64)).argmax(-1)
+        c.tokens[0].copy_(ids)
+        c.at.fill_(1)
+        s1.input_ids.copy_(ids)
+        positions = s2.context_lens.to(torch.int64)
+        s1.positions.copy_(positions)
+        s1.context_lens.copy_(s2.context_lens + 1)
+        s1.block_tables.copy_(s2.block_tables)
+        s1.query_start_loc[1:].copy_(fed.cumsum(0))               # [0] is 0 in every staged batch
+        block = torch.clamp(positions // self.block_size, max=self.max_blocks - 1)
+        slot = (s1.block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * self.block_size
+                + positions % self.block_size)
+        s1.slot_mapping.copy_(torch.where(fed, slot, torch.full_like(slot, -1)))
+
+    @torch.inference_mode()
+    def _capture_head(self, b: int, pool) -> torch.cuda.CUDAGraph:
+        g2, g1, c = self.graphs[(b, 2)], self.graphs[(b, 1)], self.chains[b]
+        # The capture's runs leave bucket (b, 1)'s inputs as the head set them (a fed padding
+        # sequence with a real slot): invalidate what it held, as every later chain stages its own.
+        graph, _ = self._record(lambda: self._head_step(g2, g1, c), pool, reset=c.at.zero_)
+        g1.stamp = next(_STAMPS)
+        return graph
+
     def capture_sampled_chains(self, pick_for) -> None:
         """Sampled chain graphs for every bucket (b, 1) where pick_for(b) gives (pick, tokens):
         pick(logits [b, V], at) draws row `at` of tokens [rows, b] and returns it (the draft's
@@ -335,6 +377,32 @@ class GraphedForward(GraphCaptures):
         self.replays += steps
         g.stamp = next(_STAMPS)
         return c.tokens[start:start + steps, :n].clone()
+
+    def can_head(self, n: int, steps: int, width: int) -> bool:
+        """Whether n sequences feeding up to 2 tokens, then `steps` - 1 chained steps (block
+        tables `width` wide after the last), fit a head graph and its chain."""
+        key = self._bucket(n, 2, width)
+        return (1 <= steps <= CHAIN_MAX and key is not None and key[1] == 2 and key[0] in self.heads
+                and key[0] in self.chains)
+
+    @torch.inference_mode()
+    def head_chain(self, batch: ForwardBatch, steps: int) -> torch.Tensor:
+        """The head graph of a batch staged on bucket (b, 2), then `steps` - 1 replays of chain b:
+        [steps, n] ids, the argmax of each sequence's last fed token first. Both buckets' static
+        inputs are spent afterwards."""
+        g2 = self.staged_graph(batch)
+        b, q, _ = batch.graph_key
+        head = self.heads.get(b)
+        if q != 2 or head is None or not 1 <= steps <= CHAIN_MAX:
+            raise ValueError(f"no head and chain of {steps} steps on graph {b}x{q}")
+        c = self.chains[b]
+        head.replay()
+        for _ in range(steps - 1):
+            c.graph.replay()
+        self.replays += steps
+        g2.stamp = next(_STAMPS)
+        self.graphs[(b, 1)].stamp = next(_STAMPS)
+        return c.tokens[:steps, :len(batch.query_lens_host)].clone()
 
     def _bucket(self, n: int, q_max: int, width: int, num_tokens: int = 0,
                 num_logits: int = 0) -> tuple[int, int] | None:
@@ -431,7 +499,7 @@ class GraphSets:
     # What engines, benchmarks and tests read: the full set's buckets (every set has its decode /
     # verify buckets and chains too).
     def __getattr__(self, name):
-        if name in ("graphs", "chains", "sampled_chains", "query_lens", "batch_sizes", "prefill_lens",
+        if name in ("graphs", "chains", "sampled_chains", "heads", "query_lens", "batch_sizes", "prefill_lens",
                     "max_context", "max_blocks", "block_size", "shape"):
             return getattr(self.sets[-1], name)
         raise AttributeError(name)
@@ -446,7 +514,7 @@ class GraphSets:
 
     @property
     def num_graphs(self) -> int:
-        return sum(len(s.graphs) + len(s.chains) + len(s.sampled_chains) for s in self.sets)
+        return sum(s.num_graphs for s in self.sets)
 
     def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width):
         for s in self.sets:
@@ -474,6 +542,13 @@ class GraphSets:
     def chain(self, batch: ForwardBatch, first_ids, steps: int, sampled: bool = False,
               start: int = 0) -> torch.Tensor:
         return self._holder(batch).chain(batch, first_ids, steps, sampled, start)
+
+    def head_chain(self, batch: ForwardBatch, steps: int) -> torch.Tensor:
+        return self._holder(batch).head_chain(batch, steps)
+
+    def can_head(self, n: int, steps: int, width: int) -> bool:
+        s = next((s for s in self.sets if s._bucket(n, 2, width) is not None), None)
+        return s is not None and s.can_head(n, steps, width)
 
     def can_chain(self, n: int, steps: int, width: int, sampled: bool = False) -> bool:
         # The set that stage() would pick for the chain's (n, 1) step must have the chain.

@@ -115,15 +115,17 @@ class ModelRunner:
         return self.blocks.num_tokens(seq_id)
 
     # --- forward -----------------------------------------------------------------------------
-    def prepare(self, items: Sequence[SeqInput], graphs: bool = True) -> ForwardBatch:
-        """Reserves KV slots for every item's new tokens (all or none) and builds the batch;
-        graphs=False builds an eager batch even where a CUDA graph fits."""
-        self._reserve_check(items)
+    def _host_arrays(self, items: Sequence[SeqInput], ahead: int = 0) -> tuple[list, ...]:
+        """Reserves KV slots for every item's new tokens and `ahead` more per item (all or none;
+        a chain's later steps, whose slots the graph finds in the block tables) and returns the
+        step's host arrays: ids, positions, slots, query starts, context lengths, block tables
+        (after the reservation) and logit rows, with the query lengths and the widest table."""
+        self._reserve_check(items, ahead)
         ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
         for item in items:
             start = self.blocks.num_tokens(item.seq_id)
             n = len(item.token_ids)
-            slots += self.blocks.append(item.seq_id, n)
+            slots += self.blocks.append(item.seq_id, n + ahead)[:n]
             ids += item.token_ids
             positions += range(start, start + n)
             logit_rows += range(starts[-1] + n - item.num_logits, starts[-1] + n)
@@ -132,11 +134,17 @@ class ModelRunner:
             tables.append(self.blocks.block_table(item.seq_id))
         width = max(len(t) for t in tables)
         query_lens = [len(i.token_ids) for i in items]
+        return ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width
+
+    def prepare(self, items: Sequence[SeqInput], graphs: bool = True) -> ForwardBatch:
+        """Reserves KV slots for every item's new tokens (all or none) and builds the batch;
+        graphs=False builds an eager batch even where a CUDA graph fits."""
+        arrays = self._host_arrays(items)
         if graphs and self.graphs is not None:  # straight into a graph's static inputs, when one fits
-            staged = self.graphs.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows,
-                                       query_lens, width)
+            staged = self.graphs.stage(*arrays)
             if staged is not None:
                 return staged
+        ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width = arrays
         table = padded_table(tables, width)
         # One packed host-to-device copy for all seven (pinned on CUDA: it queues behind the previous
         # step's kernels instead of waiting for them; staging.pack_to_device keeps each view aligned
@@ -168,18 +176,34 @@ class ModelRunner:
         uniforms staged by the caller), drawing into its rows start .. start + steps - 1."""
         if not self.can_chain(seq_ids, steps, sampled):
             raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
-        self._reserve_check([SeqInput(s, [0] * steps) for s in seq_ids])
-        starts = [self.blocks.num_tokens(s) for s in seq_ids]
-        slots = [self.blocks.append(s, steps)[0] for s in seq_ids]
-        tables = [self.blocks.block_table(s) for s in seq_ids]
-        n = len(seq_ids)
         on_device = isinstance(first_ids, torch.Tensor) and first_ids.device == self.device
         if isinstance(first_ids, torch.Tensor) and not on_device:
             first_ids = first_ids.tolist()
-        batch = self.graphs.stage([0] * n if on_device else list(first_ids), starts, slots,
-                                  list(range(n + 1)), [p + 1 for p in starts], tables, list(range(n)),
-                                  [1] * n, max(len(t) for t in tables))
+        feeds = [0] * len(seq_ids) if on_device else list(first_ids)
+        batch = self.graphs.stage(*self._host_arrays([SeqInput(s, [t]) for s, t in zip(seq_ids, feeds)],
+                                                     ahead=steps - 1))
         return self.graphs.chain(batch, first_ids if on_device else None, steps, sampled, start)
+
+    def can_fed_chain(self, items: Sequence[SeqInput], steps: int) -> bool:
+        """Whether fed_chain(items, steps) runs on a head graph and a chain graph."""
+        if self.graphs is None or not self.graphs.heads or not items:
+            return False
+        if max(len(i.token_ids) for i in items) != 2 or any(i.num_logits != 1 for i in items):
+            return False
+        width = max(self.blocks.blocks_needed(self.blocks.num_tokens(i.seq_id) + len(i.token_ids) + steps - 1)
+                    for i in items)
+        return self.graphs.can_head(len(items), steps, width)
+
+    def fed_chain(self, items: Sequence[SeqInput], steps: int) -> torch.Tensor:
+        """greedy_chain for a first forward that feeds 1 or 2 tokens per sequence (a draft step
+        after all drafts were accepted feeds the last draft and the bonus token; see can_fed_chain):
+        the feeds run on bucket (b, 2)'s head graph, which picks each sequence's argmax and sets up
+        the chain's inputs on the device, then `steps` - 1 chain replays. One staged copy for the
+        whole step; KV slots for all of it reserved here. Returns the [steps, len(items)] argmaxes
+        on the device."""
+        if not self.can_fed_chain(items, steps):
+            raise ValueError(f"no head and chain graph for {len(items)} sequences x {steps} steps")
+        return self.graphs.head_chain(self.graphs.stage(*self._host_arrays(items, ahead=steps - 1)), steps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -198,7 +222,7 @@ class ModelRunner:
         """step's logits as one [sum(num_logits), V] tensor, the items' rows in order."""
         return self.forward(self.prepare(items, graphs))
 
-    def _reserve_check(self, items: Sequence[SeqInput]) -> None:
+    def _reserve_check(self, items: Sequence[SeqInput], ahead: int = 0) -> None:
         seen = set()
         need = 0
         for item in items:
@@ -208,7 +232,7 @@ class ModelRunner:
             if item.seq_id not in self.blocks:
                 raise KeyError(f"unknown sequence {item.seq_id!r}")
             have = self.blocks.num_tokens(item.seq_id)
-            need += (self.blocks.blocks_needed(have + len(item.token_ids))
+            need += (self.blocks.blocks_needed(have + len(item.token_ids) + ahead)
                      - len(self.blocks.block_table(item.seq_id)))
         if need > self.blocks.num_free:
             raise OutOfBlocks(f"batch needs {need} more KV blocks, {self.blocks.num_free} free "

@@ -175,10 +175,15 @@ class DraftEngine(ModelEngine):
         # Every sequence feeds one token (the target's correction) and drafts: the whole step can
         # be one chain, its first forward included (not with a guess: its first draw uses the
         # RESAMPLE uniform, which a sampled chain does not stage).
-        if (len(active) == len(plans) and all(len(p.feed) == 1 for p in plans) and (greedy or not any(guess))
-                and self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps,
-                                None if greedy else (sampling, seeds, first_pos))):
-            items = []
+        # A greedy step whose feeds are 1 or 2 tokens (2: the last draft and the bonus token after
+        # all were accepted) can be one chain too, behind a head graph (ModelRunner.fed_chain).
+        if len(active) == len(plans) and (greedy or not any(guess)):
+            if all(len(p.feed) == 1 for p in plans):
+                if self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps,
+                               None if greedy else (sampling, seeds, first_pos)):
+                    items = []
+            elif greedy and self._fed_chain(plans, items, rows, clock, steps):
+                items = []
         while items:
             with clock.forward():
                 batch = self.runner.prepare(items)
@@ -277,6 +282,20 @@ class DraftEngine(ModelEngine):
                                                0 if sampled is None else done)   # [n, len(plans)]
         qs = [None] * n if sampled is None else [self.sampler.q[done + i, :len(ids)] for i in range(n)]
         steps += [(rows, t, q) for t, q in zip(chained, qs)]
+        return True
+
+    def _fed_chain(self, plans: list[Plan], items: list[SeqInput], rows: list[int], clock, steps: list) -> bool:
+        """A greedy step whose sequences all draft the same number of tokens, its first forward
+        feeding 1 or 2 tokens each, as one head graph and a chain (ModelRunner.fed_chain), when
+        they fit: the drafts go to `steps` and True is returned. One timed span for all of it,
+        split evenly over its forwards (the 2-token forward's share joins the profile's
+        single-token samples; a small draft's 2-token forward costs what a 1-token one does)."""
+        left = {p.seq.num_draft for p in plans}
+        if len(left) != 1 or not self.runner.can_fed_chain(items, n := left.pop()):
+            return False
+        with clock.forward(n):
+            chained = self.runner.fed_chain(items, n)   # [n, len(plans)]
+        steps += [(rows, t, None) for t in chained]
         return True
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:

@@ -120,6 +120,37 @@ def test_greedy_chain_replays_equal_greedy_steps(tmp_path):
             torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=2e-4, rtol=0)
 
 
+def test_fed_chain_head_graphs_equal_greedy_steps(tmp_path):
+    """The head graphs on the GPU: feeds of 1 or 2 tokens on bucket (b, 2), each sequence's
+    argmax and the chain's inputs set up inside the graph, then the chain: the tokens of eager
+    greedy steps and the same KV, with padding sequences (3 in bucket 4) and a bucket (4, 1) that
+    held fewer sequences before."""
+    from tests.unit.test_graph_staging import seq_kv
+    runners, prompts = eager_and_graphed(tmp_path, query_lens=(1, 2), batch_sizes=(1, 2, 4), chains=True)
+    eager, graphed = runners
+    prompts[3] = prompts[1][:3]
+    for runner in runners:
+        for s, ids in prompts.items():
+            runner.add_sequence(s)
+        runner.step([SeqInput(s, ids, 1) for s, ids in prompts.items()])
+    assert set(graphed.graphs.heads) == {1, 2, 4}
+    seqs = sorted(prompts)
+    for feeds, steps in (([2, 1, 2], 5), ([2], 1), ([1, 2], 11), ([2, 2, 1, 2], 4)):
+        ordinary = [SeqInput(s, [5 + s]) for s in seqs[:3]]
+        for want, got in zip(eager.step(ordinary), graphed.step(ordinary)):
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+        items = [SeqInput(s, [7 + s, 9][:n]) for s, n in zip(seqs, feeds)]
+        fed = [int(x.argmax(-1)) for x in eager.step(items)]
+        want = [fed]
+        for _ in range(steps - 1):
+            fed = [int(x.argmax(-1)) for x in eager.step([SeqInput(i.seq_id, [t]) for i, t in zip(items, fed)])]
+            want.append(fed)
+        assert graphed.fed_chain(items, steps).tolist() == want
+        for i in items:
+            assert graphed.num_tokens(i.seq_id) == eager.num_tokens(i.seq_id)
+            torch.testing.assert_close(seq_kv(graphed, i.seq_id), seq_kv(eager, i.seq_id), atol=2e-4, rtol=0)
+
+
 def test_short_context_graph_set_matches_eager_and_plans_fewer_splits(tmp_path):
     """GraphSets on real graphs: a set planned for 64-token contexts beside the 256 one. Steps whose
     tables fit 64 tokens replay there, longer ones on the full set, chains pick the set of their

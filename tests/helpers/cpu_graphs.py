@@ -46,6 +46,10 @@ class CpuGraphs(GraphedForward):
         tokens = own if tokens is None else tokens
         return _Chain(_ChainReplay(self, self.graphs[(b, 1)], tokens, at, pick), tokens, at)
 
+    def _capture_head(self, b, pool):
+        g2, g1, c = self.graphs[(b, 2)], self.graphs[(b, 1)], self.chains[b]
+        return _Replay(lambda: self._head_step(g2, g1, c))
+
 
 class _Replay:
     def __init__(self, fn):

@@ -111,6 +111,17 @@ def test_inherited_methods_are_wrapped_and_the_override_removed_after():
     assert set(split.take()) == {"wait"}
 
 
+def test_methods_a_class_lacks_are_left_out():
+    """gaps-ab runs this tree's gaps.py over another commit's packages, which may lack a wrapped
+    method (fed_chain is new in session 21): it is skipped, the others are still wrapped."""
+    import torch
+    split = gaps.HostSplit()
+    specs = [("gone", "torch", "Tensor", "no_such_method_here"), *gaps.WAITS[:1]]
+    with gaps.wrapped(specs, scope=split):
+        assert torch.tensor([1]).tolist() == [1]
+    assert not hasattr(torch.Tensor, "no_such_method_here") and set(split.take()) == {"wait"}
+
+
 def test_compare_puts_each_labels_median_split_side_by_side_with_ratios_to_the_first():
     def result(step, fill, batch=1):
         return {"rows": [{"batch": batch, "host_split": {"step_us": step, "host_us": step / 10,

@@ -58,7 +58,8 @@ def test_sets_and_their_bounds(runners):
     assert short.prefill_lens == () and full.prefill_lens == (8,) and gs.prefill_lens == (8,)
     assert set(short.graphs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4)}
     assert set(short.chains) == set(full.chains) == {1, 2, 4}
-    assert gs.num_graphs == len(short.graphs) + len(full.graphs) + 6
+    assert set(short.heads) == set(full.heads) == {1, 2, 4}     # query length 2 is graphed: heads too
+    assert gs.num_graphs == len(short.graphs) + len(full.graphs) + 6 + 6
     # Each set's graphs were captured with its own bound as the host context bound (what plans the
     # attention's KV splits), and all of them write one logits buffer.
     for s in gs.sets:

@@ -138,7 +138,8 @@ def test_bounds_round_to_blocks_dedupe_and_stop_below_max_model_len():
             assert g.batch.context_lens_host == [s.max_context] * b          # the bound the kernel plans for
             assert tuple(g.batch.block_tables.shape) == (b, s.max_blocks)
             assert g.logits.data_ptr() == full._logits.data_ptr()
-    assert gs.num_graphs == sum(len(s.graphs) + len(s.chains) for s in gs.sets) == 3 * (9 + 3) + 15 + 3
+    assert (gs.num_graphs == sum(len(s.graphs) + len(s.chains) + len(s.heads) for s in gs.sets)
+            == 3 * (9 + 3 + 3) + 15 + 3 + 3)   # heads: query length 2 is graphed
     assert (gs.graphs, gs.chains, gs.max_context, gs.max_blocks) == (full.graphs, full.chains, 64, 16)
     with pytest.raises(AttributeError):
         gs.no_such_attribute
@@ -155,6 +156,7 @@ def test_enable_cuda_graphs_builds_the_sets(monkeypatch):
         monkeypatch.setattr(GraphedForward, name, staticmethod(getattr(CpuGraphs, name)))
     monkeypatch.setattr(GraphedForward, "_capture", CpuGraphs._capture)
     monkeypatch.setattr(GraphedForward, "_capture_chain", CpuGraphs._capture_chain)
+    monkeypatch.setattr(GraphedForward, "_capture_head", CpuGraphs._capture_head)
     eager, graphed = make(())
     graphed.enable_cuda_graphs(62, query_lens=(1, 2), batch_sizes=(1, 2), chains=True, prefill_lens=(8,),
                                context_lens=(5, 8, 61, 100))

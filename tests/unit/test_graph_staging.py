@@ -126,6 +126,72 @@ def test_greedy_chain_equals_step_by_step_greedy(runners):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_fed_chain_equals_step_by_step_greedy(runners):
+    """A head graph (the feeds of 1 or 2 tokens on bucket (b, 2), each sequence's argmax, the
+    chain's inputs set up on the device) and its chain give the tokens and KV of one greedy step
+    at a time: ragged feeds, fewer sequences than the bucket (padding), block boundaries, a single
+    step (no chain replay)."""
+    eager, graphed, rng = runners
+    for feeds, steps in ((((0, 2), (2, 1), (3, 2)), 5), (((1, 2),), 1), (((3, 1), (0, 2)), 7),
+                         (((0, 2), (1, 2), (2, 2), (3, 2)), 3)):
+        # An ordinary step of 3 sequences first: bucket (4, 1) then holds one padding sequence,
+        # which the head must turn into a fed one when 4 sequences feed.
+        ordinary = [SeqInput(s, [rng.randrange(61)]) for s in (0, 1, 2)]
+        for want, got in zip(eager.step(ordinary), graphed.step(ordinary)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        items = [SeqInput(s, [rng.randrange(61) for _ in range(n)]) for s, n in feeds]
+        logits = eager.step(items)
+        fed = [int(x.argmax(-1)) for x in logits]
+        want = [fed]
+        for _ in range(steps - 1):
+            logits = eager.step([SeqInput(s, [t]) for (s, _), t in zip(feeds, fed)])
+            fed = [int(x.argmax(-1)) for x in logits]
+            want.append(fed)
+        before = graphed.graphs.replays
+        assert graphed.can_fed_chain(items, steps)
+        got = graphed.fed_chain(items, steps)
+        assert got.tolist() == want
+        assert graphed.graphs.replays == before + steps
+        for s, _ in feeds:
+            assert graphed.num_tokens(s) == eager.num_tokens(s)
+            torch.testing.assert_close(seq_kv(graphed, s), seq_kv(eager, s), atol=1e-5, rtol=0)
+    owned = {b for s in range(4) for b in graphed.blocks.block_table(s)}
+    unowned = [b for b in range(graphed.kv.num_blocks) if b not in owned]
+    assert not graphed.kv.data[:, :, unowned].any()  # padding sequences wrote nothing
+    # Ordinary staged steps and plain chains go on from where the head chains left the sequences.
+    items = [SeqInput(s, [rng.randrange(61)]) for s in (0, 1, 2, 3)]
+    for want, got in zip(eager.step(items), graphed.step(items)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    first = [rng.randrange(61) for _ in range(2)]
+    want, fed = [], first
+    for _ in range(3):
+        fed = [int(x.argmax(-1)) for x in eager.step([SeqInput(s, [t]) for s, t in zip((2, 0), fed)])]
+        want.append(fed)
+    assert graphed.greedy_chain([2, 0], first, 3).tolist() == want
+
+
+def test_fed_chains_only_where_a_head_fits(runners):
+    _, graphed, _ = runners
+    two = [SeqInput(0, [1, 2]), SeqInput(1, [3])]
+    assert graphed.can_fed_chain(two, 4)
+    assert not graphed.can_fed_chain([SeqInput(0, [1]), SeqInput(1, [3])], 4)   # no 2-token feed: a plain chain
+    assert not graphed.can_fed_chain([SeqInput(0, [1, 2, 3])], 2)                # 3 tokens: no head
+    assert not graphed.can_fed_chain([SeqInput(0, [1, 2], num_logits=2)], 2)     # one argmax per sequence
+    assert not graphed.can_fed_chain(two, CHAIN_MAX + 1)
+    assert not graphed.can_fed_chain(two, 60)                                    # past max_model_len (64)
+    tokens = graphed.num_tokens(0)
+    with pytest.raises(ValueError, match="no head"):
+        graphed.fed_chain([SeqInput(0, [1, 2])], CHAIN_MAX + 1)
+    assert graphed.num_tokens(0) == tokens   # refused before anything was reserved
+    staged = graphed.prepare([SeqInput(2, [1, 2])])                              # bucket (1, 2)
+    graphed.fed_chain([SeqInput(3, [4, 5])], 2)                                  # overwrites it
+    with pytest.raises(RuntimeError, match="overwritten"):
+        graphed.forward(staged)
+    no_heads = eager_and_cpu_graphed(64, chains=False)[1]
+    no_heads.add_sequence(0)
+    assert not no_heads.graphs.heads and not no_heads.can_fed_chain([SeqInput(0, [1, 2])], 2)
+
+
 def test_a_chain_may_end_at_max_model_len(runners):
     """The last step of a chain that fills the context moves the inputs past the last block;
     that position is never written, and its block index stays inside the table."""
@@ -182,7 +248,9 @@ def test_draft_engine_drafts_the_same_through_chains(tmp_path):
         [DraftSeqInput(1, 5, [1], 3), DraftSeqInput(2, 0, [4], 3, sampled)],  # sampled: no chain
         [DraftSeqInput(1, 3, [2], 6)],
     ]
-    replays = []
+    replays, fed_chains = [], []
+    fed_chain = chained.runner.fed_chain
+    chained.runner.fed_chain = lambda items, n: fed_chains.append([len(i.token_ids) for i in items]) or fed_chain(items, n)
     for step in steps:
         before = chained.runner.graphs.replays
         a, b = plain.propose(step), chained.propose(step)
@@ -192,10 +260,11 @@ def test_draft_engine_drafts_the_same_through_chains(tmp_path):
         assert b.timing.num_forwards == a.timing.num_forwards == max(s.num_draft for s in step)
         for s in step:
             assert chained.runner.num_tokens(s.seq_id) == plain.runner.num_tokens(s.seq_id)
-    # Prompts run eagerly, then a chain of 3; feeds of 2 tokens: the (2, 2) graph, then a chain of 3;
+    # Prompts run eagerly, then a chain of 3; feeds of 2 tokens: the (2, 2) head graph, then a chain of 3;
     # 1-token feeds: one chain of 4 (the first forward included); ragged: one replay per position
-    # (5); sampled: no chains (3); a single sequence with a 1-token feed: a chain of 6.
+    # (5); sampled: no chains (3); a single sequence feeding 2 tokens: a head and a chain of 5.
     assert replays == [3, 4, 4, 5, 3, 6]
+    assert fed_chains == [[2, 1], [2]]   # steps 2 and 6 (all 3 drafts accepted): a head graph, then a chain
 
 
 # --- prefill buckets: steps that mix a prompt chunk with decode/verify tokens -------------------
