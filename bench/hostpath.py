@@ -260,7 +260,8 @@ def server_python_us(role: str, batch: int, steps: int) -> float:
     config = EngineConfig(model=folder, random_weights=True, max_model_len=4096, num_blocks=4096)
     engine = (TargetEngine if role == "target" else DraftEngine)(config)
     vocab = PYTHON_SHAPE["vocab_size"]
-    engine.runner.forward = lambda b: torch.zeros(b.logits_indices.numel(), vocab)
+    engine.runner.forward = lambda b, argmax=False: (torch.zeros(b.logits_indices.numel(), dtype=torch.int64) if argmax
+                                                     else torch.zeros(b.logits_indices.numel(), vocab))
     step_fn = verify if role == "target" else propose
 
     def request(step: int, first: bool):

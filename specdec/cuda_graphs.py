@@ -420,10 +420,11 @@ class GraphedForward(GraphCaptures):
         return None
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def forward(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor | None:
         """The logits of a batch prepare() staged into a graph; None for any other batch (it runs
-        eagerly: every batch that fits a graph is staged by prepare)."""
-        return None if batch.graph_key is None else self._replay_staged(batch)
+        eagerly: every batch that fits a graph is staged by prepare). argmax: the argmax of each
+        requested row instead, read from the graph's output (no copy of the logits)."""
+        return None if batch.graph_key is None else self._replay_staged(batch, argmax)
 
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
         """The graph whose static inputs hold `batch` as prepare() staged it (input_ids aside;
@@ -443,7 +444,7 @@ class GraphedForward(GraphCaptures):
                              "are the graph's static inputs as staged")
         return g
 
-    def _replay_staged(self, batch: ForwardBatch) -> torch.Tensor:
+    def _replay_staged(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor:
         g = self.staged_graph(batch)
         s = g.batch
         t = batch.input_ids.numel()
@@ -451,16 +452,19 @@ class GraphedForward(GraphCaptures):
             s.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
         self.replays += 1
         g.graph.replay()
-        return self._outputs(g, batch, t)
+        return self._outputs(g, batch, t, argmax)
 
-    def _outputs(self, g: _Graph, batch: ForwardBatch, t: int) -> torch.Tensor:
+    def _outputs(self, g: _Graph, batch: ForwardBatch, t: int, argmax: bool = False) -> torch.Tensor:
         """The requested rows as a tensor of their own (the static output is overwritten by the
-        graph's next replay)."""
+        graph's next replay), or their argmaxes [n] (int64)."""
         n = batch.logits_indices.numel()
         if self.shape(*batch.graph_key[:2]).logit_rows is not None or n == t:
             # A prefill bucket's graph gathered the rows; else logits of every token (rows are
             # sorted and unique)
-            return g.logits[:n].clone()
+            rows = g.logits[:n]
+            return rows.argmax(-1) if argmax else rows.clone()
+        if argmax:
+            return g.logits[:t].argmax(-1).index_select(0, batch.logits_indices)
         return g.logits.index_select(0, batch.logits_indices)
 
 
@@ -533,8 +537,8 @@ class GraphSets:
                 return s
         return self.sets[-1]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        return None if batch.graph_key is None else self._holder(batch).forward(batch)
+    def forward(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor | None:
+        return None if batch.graph_key is None else self._holder(batch).forward(batch, argmax)
 
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
         return self._holder(batch).staged_graph(batch)

@@ -206,21 +206,25 @@ class ModelRunner:
         return self.graphs.head_chain(self.graphs.stage(*self._host_arrays(items, ahead=steps - 1)), steps)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor:
+        """The logits of the batch's requested rows [N, V] (float32), or with argmax their argmaxes
+        [N] (int64; from a graph's output without copying the logits out)."""
         if self.graphs is not None:
-            logits = self.graphs.forward(batch)  # a copy: the graph's output is overwritten next replay
-            if logits is not None:
-                return logits
+            out = self.graphs.forward(batch, argmax)  # a copy: the graph's output is overwritten next replay
+            if out is not None:
+                return out
         self.eager_forwards += 1
-        return self.model(batch, self.kv, self.backend)
+        logits = self.model(batch, self.kv, self.backend)
+        return logits.argmax(-1) if argmax else logits
 
     def step(self, items: Sequence[SeqInput], graphs: bool = True) -> list[torch.Tensor]:
         """prepare + forward; returns each item's logits [num_logits, V] (float32)."""
         return list(self.step_flat(items, graphs).split([i.num_logits for i in items]))
 
-    def step_flat(self, items: Sequence[SeqInput], graphs: bool = True) -> torch.Tensor:
-        """step's logits as one [sum(num_logits), V] tensor, the items' rows in order."""
-        return self.forward(self.prepare(items, graphs))
+    def step_flat(self, items: Sequence[SeqInput], graphs: bool = True, argmax: bool = False) -> torch.Tensor:
+        """step's logits as one [sum(num_logits), V] tensor, the items' rows in order (argmax: the
+        rows' argmaxes, [sum(num_logits)])."""
+        return self.forward(self.prepare(items, graphs), argmax)
 
     def _reserve_check(self, items: Sequence[SeqInput], ahead: int = 0) -> None:
         seen = set()

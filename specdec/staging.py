@@ -25,6 +25,21 @@ PACK_ALIGN = 16
 _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d", torch.bool: "B"}
 
 
+_streams: dict[int, torch.cuda.Stream] = {}   # per device index: the current stream seen last
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """torch.cuda.current_stream(device), without its cost while the current stream stays the
+    same: the raw handle is compared with the Stream seen last (on the H200 host
+    torch.cuda.current_stream took ~10 us a call, the raw handle 0.3; bench/staging.py)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    raw = torch._C._cuda_getCurrentRawStream(index)
+    stream = _streams.get(index)
+    if stream is None or stream.cuda_stream != raw:
+        stream = _streams[index] = torch.cuda.current_stream(index)
+    return stream
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """t on `device`: itself when already there, through pinned memory from the host to a GPU.
     Device to device stays ordered on the stream; a copy to the host blocks (it is read next)."""
@@ -157,16 +172,6 @@ class PackedBuffer:
         self._cuda = self.buffer.is_cuda
         self.ring = HostRing(len(zeros), pinned=self._cuda)
         self._pads: dict[tuple, bytes] = {}                   # (slot, pad) -> the slot's bytes all pad
-        self._stream = None                                   # the last current stream seen (CUDA)
-
-    def _current_stream(self):
-        """The buffer's device's current stream, where copy_ queued the copy: the Stream seen last
-        while the raw handle is the same (torch.cuda.current_stream took ~8 us a call on the H200
-        host, bench/staging.py, against well under 1 for the raw handle)."""
-        raw = torch._C._cuda_getCurrentRawStream(self.buffer.device.index)
-        if self._stream is None or self._stream.cuda_stream != raw:
-            self._stream = torch.cuda.current_stream(self.buffer.device)
-        return self._stream
 
     def _pad_bytes(self, slot: int, pad) -> bytes:
         # Keyed by the pad's type and repr, not its value: -0.0 == 0.0 == 0 would share bytes (the
@@ -205,5 +210,5 @@ class PackedBuffer:
         # Pinned: a DMA queued on the stream (after any replay still reading the buffer), no sync.
         self.buffer.copy_(self.ring.hosts[turn], non_blocking=self._cuda)
         if self._cuda:
-            self.ring.copied(turn, torch.cuda.Event, self._current_stream())
+            self.ring.copied(turn, torch.cuda.Event, current_stream(self.buffer.device))
         return self.views

@@ -124,19 +124,20 @@ class TargetEngine(ModelEngine):
             return []
         items = [SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens), p.num_logits)
                  for p in plans]
-        with clock.forward():
-            # [sum(k+1), V]: the scored plans' rows in order (the others have none)
-            flat_logits = self.runner.step_flat(items)
         scored = [i for i, p in enumerate(plans) if p.num_logits]
+        sp = [plans[i] for i in scored]
+        # All greedy: rejection_sample's result is the argmax of every row, compared with the
+        # drafts on the host (no sampling parameters, draft rows or layout to stage), and the
+        # argmaxes come straight from a graph's output (no copy of the logits).
+        greedy = all(p.seq.sampling.greedy for p in sp)
+        with clock.forward():
+            # [sum(k+1), V] (greedy: [sum(k+1)]): the scored plans' rows in order (the others have none)
+            flat = self.runner.step_flat(items, argmax=greedy)
         results = [(0, -1)] * len(plans)
         if not scored:
             return results
-        sp = [plans[i] for i in scored]
-        if all(p.seq.sampling.greedy for p in sp):
-            # rejection_sample's all-greedy result: the argmax of every row, compared with the
-            # drafts on the host (no sampling parameters, draft rows or layout to stage).
-            best = flat_logits.argmax(-1).tolist()
-            for i, r in zip(scored, greedy_accept_rows(best, [p.seq.draft_tokens for p in sp])):
+        if greedy:
+            for i, r in zip(scored, greedy_accept_rows(flat.tolist(), [p.seq.draft_tokens for p in sp])):
                 results[i] = r
             return results
         counts = [len(p.seq.draft_tokens) for p in sp]
@@ -144,12 +145,12 @@ class TargetEngine(ModelEngine):
         params = [p.seq.sampling for p in sp]
         seeds = resolve_seeds(params)
         positions = [p.first_draft_position for p in sp]
-        if self.verifier is not None and self.verifier.fits(len(sp), max(counts), flat_logits.shape[1]):
-            out = self.verifier.verify(flat_logits, drafts, self._draft_probs(sp), counts, params, seeds,
+        if self.verifier is not None and self.verifier.fits(len(sp), max(counts), flat.shape[1]):
+            out = self.verifier.verify(flat, drafts, self._draft_probs(sp), counts, params, seeds,
                                        positions)
         else:
             draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
-            out = rejection_sample(flat_logits, draft_tokens, self._draft_probs(sp), counts,
+            out = rejection_sample(flat, draft_tokens, self._draft_probs(sp), counts,
                                    SamplingTensors.from_params(params, self.device, seeds), positions).to_host()
         for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
             results[i] = (accepted, tokens[-1])

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from specdec.cost_model import CostProfile
+from specdec.staging import current_stream
 
 
 class ForwardClock:
@@ -20,8 +21,9 @@ class ForwardClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         # Recorded on the stream explicitly: Event.record() looks the current stream up (and the
-        # device with it) in Python on every call, tens of microseconds a forward.
-        self._stream = torch.cuda.current_stream(device) if self.cuda else None
+        # device with it) in Python on every call, tens of microseconds a forward; and found
+        # through the raw handle, since a clock is made every step.
+        self._stream = current_stream(device) if self.cuda else None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self._host: list[tuple[float, int]] = []
 

@@ -480,7 +480,7 @@ def test_warm_up_without_a_block_for_the_replay_profile_skips_only_it(pair, monk
     target_path, _ = pair
     engine = TargetEngine(engine_config(target_path, num_blocks=5))
     monkeypatch.setattr(engine.runner, "graphs", types.SimpleNamespace(   # every step runs eagerly
-        stage=lambda *a, **k: None, forward=lambda batch: None, replays=0,
+        stage=lambda *a, **k: None, forward=lambda batch, argmax=False: None, replays=0,
         staged_graph=lambda b: pytest.fail("no batch should be staged")))
     table = engine.warm_up(repeats=3, prompt_lens=())
     assert set(table) == {1} and engine.replay_profile == {} and engine.num_free_blocks == 5

@@ -63,6 +63,38 @@ def test_ragged_staged_steps_match_eager(runners):
     torch.testing.assert_close(graphed.kv.data, eager.kv.data, atol=1e-5, rtol=0)  # padding wrote nothing
 
 
+def test_argmax_steps_give_the_argmax_of_the_logits_rows(runners, prefill_runners):
+    """step_flat(argmax=True): the argmax of each requested row, read from the graph's output (all
+    rows, a subset of them, a prefill bucket's gathered rows, no rows) and from an eager forward."""
+    eager, graphed, rng = runners
+    for _ in range(8):
+        items = []
+        for s in rng.sample(range(4), rng.randint(1, 4)):
+            n = rng.choice([1, 2, 4])
+            items.append(SeqInput(s, [rng.randrange(61) for _ in range(n)], rng.choice([0, n, rng.randint(0, n)])))
+        want = eager.step_flat(items).argmax(-1)
+        before = graphed.graphs.replays
+        got = graphed.step_flat(items, argmax=True)
+        assert graphed.graphs.replays == before + 1 and got.dtype == torch.int64
+        assert got.tolist() == want.tolist()
+    prompts = [SeqInput(5, [rng.randrange(61) for _ in range(30)]), SeqInput(6, [rng.randrange(61) for _ in range(70)])]
+    for p in prompts:
+        eager.add_sequence(p.seq_id)
+        graphed.add_sequence(p.seq_id)
+    # 70 tokens: past every bucket, eager on both
+    assert graphed.step_flat(prompts, argmax=True).tolist() == eager.step_flat(prompts).argmax(-1).tolist()
+    eager_p, graphed_p, _ = prefill_runners
+    for r in (eager_p, graphed_p):
+        r.add_sequence(0)
+        r.add_sequence(1)
+        r.step([SeqInput(0, [1, 2, 3])])
+    chunk = [SeqInput(1, [rng.randrange(61) for _ in range(6)], 2), SeqInput(0, [4, 5], 1)]
+    before = graphed_p.graphs.replays
+    got = graphed_p.step_flat(chunk, argmax=True)
+    assert graphed_p.graphs.replays == before + 1     # a prefill bucket: the graph gathered the rows
+    assert got.tolist() == eager_p.step_flat(chunk).argmax(-1).tolist()
+
+
 def test_device_ids_replace_the_staged_ones(runners):
     eager, graphed, rng = runners
     for _ in range(4):

@@ -14,6 +14,7 @@ import torch
 from specdec.cuda_graphs import GraphedForward
 from specdec.runner import padded_table
 from specdec.staging import HostRing, PackedBuffer, Rows, _pack_host
+from specdec import staging
 
 I64, I32, F32, F64, BOOL = torch.int64, torch.int32, torch.float32, torch.float64, torch.bool
 
@@ -189,7 +190,7 @@ def _cuda_like(monkeypatch, layout, limit: int) -> PackedBuffer:
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     buf = PackedBuffer(layout, "cpu")
     buf._cuda, buf.ring.limit = True, limit
-    buf._current_stream = lambda: "stream"
+    monkeypatch.setattr(staging, "current_stream", lambda device: "stream")
     return buf
 
 
@@ -248,14 +249,14 @@ def test_current_stream_is_refetched_whenever_the_raw_handle_changes(monkeypatch
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
                         lambda index: raw["h"] if index == 1 else -1, raising=False)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    fake = SimpleNamespace(buffer=SimpleNamespace(device=torch.device("cuda", 1)), _stream=None)
+    monkeypatch.setattr(staging, "_streams", {})
     seen = []
     for h in (0, 0, 77, 77, 0, 77):
         raw["h"] = h
-        s = PackedBuffer._current_stream(fake)
+        s = staging.current_stream(torch.device("cuda", 1))
         assert s.cuda_stream == h
         seen.append(s.n)
-    assert seen == [1, 1, 2, 2, 3, 4] and calls == [torch.device("cuda", 1)] * 4
+    assert seen == [1, 1, 2, 2, 3, 4] and calls == [1] * 4
 
 
 # --- GraphedForward._fill against the old _fill (ba818e6) ------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.staging import PACK_ALIGN, PackedBuffer, pack_to_device
+from specdec.staging import PACK_ALIGN, PackedBuffer, current_stream, pack_to_device
 from tests.helpers.op_sets import STEPS, new_runner, tiny_config
 from specdec.models.loader import build_model, init_random
 
@@ -112,6 +112,19 @@ def test_packed_buffer_pads_short_arrays_and_rows_with_each_slots_pad(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on the device machine)")
+def test_current_stream_follows_the_stream_context():
+    """The cached lookup gives what torch.cuda.current_stream gives, for 'cuda' and 'cuda:0',
+    inside a side stream's context and after it."""
+    side = torch.cuda.Stream()
+    for device in (torch.device("cuda"), torch.device("cuda", torch.cuda.current_device())):
+        assert current_stream(device) == torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            assert current_stream(device) == side
+        assert current_stream(device) == torch.cuda.current_stream() != side
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on the device machine)")
 @pytest.mark.parametrize("side", [False, True], ids=["current-stream", "side-stream-after-current"])
 def test_packed_buffer_fills_faster_than_the_gpu_copies_them_keep_every_fills_bytes(side):
     """Fills queued behind a long kernel: each copy must read its own fill's host bytes, whether the
@@ -129,7 +142,7 @@ def test_packed_buffer_fills_faster_than_the_gpu_copies_them_keep_every_fills_by
         for i in range(7):
             (v,) = buf.fill([[i] * 1024])
             outs.append(v.clone())                   # queued after fill i's copy, before fill i + 1's
-        assert buf._current_stream().cuda_stream == stream.cuda_stream
+        assert current_stream(buf.buffer.device).cuda_stream == stream.cuda_stream
     torch.cuda.synchronize()
     assert [o.unique().tolist() for o in outs] == [[i] for i in range(len(outs))]
     assert len(buf.ring.hosts) == 3
