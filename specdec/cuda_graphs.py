@@ -330,9 +330,12 @@ class GraphedForward(GraphCaptures):
     @torch.inference_mode()
     def _capture_head(self, b: int, pool) -> torch.cuda.CUDAGraph:
         g2, g1, c = self.graphs[(b, 2)], self.graphs[(b, 1)], self.chains[b]
-        # The capture's runs leave bucket (b, 1)'s inputs as the head set them (a fed padding
-        # sequence with a real slot): invalidate what it held, as every later chain stages its own.
+        # The capture's runs leave bucket (b, 1)'s inputs as the head set them (the capture batch's
+        # sequences fed, with real slots in block 0): invalidate what it held and put every slot
+        # back to -1, since the sampled chains are captured later on these inputs unstaged, and
+        # their warm-up runs would write KV there (a session 21 review case).
         graph, _ = self._record(lambda: self._head_step(g2, g1, c), pool, reset=c.at.zero_)
+        g1.batch.slot_mapping.fill_(-1)
         g1.stamp = next(_STAMPS)
         return graph
 

@@ -59,6 +59,17 @@ class _Replay:
         self.fn()
 
 
+def warm_record(fn, pool, reset=None):
+    """What GraphCaptures._record executes, on the CPU: fn() twice (the warm-up on the side stream,
+    reset() after each run), then a "graph" whose replay re-runs fn on the same buffers (the
+    capture itself runs nothing). For stand-ins that go through GraphedForward's own captures."""
+    for _ in range(2):
+        fn()
+        if reset is not None:
+            reset()
+    return _Replay(fn), None
+
+
 class CpuCaptures:
     """Graphs whose 'replay' calls the captured function again on the same buffers."""
     _check_device = staticmethod(lambda device: None)

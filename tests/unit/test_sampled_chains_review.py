@@ -24,7 +24,7 @@ from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import host_rows
 from specdec.sampling.rng import DRAFT, RESAMPLE, uniform_host
 from specdec.sampling.transport import dense_weights
-from tests.helpers.cpu_graphs import CpuGraphs, CpuSampler
+from tests.helpers.cpu_graphs import CpuGraphs, CpuSampler, warm_record
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: single-threaded)
 from tests.helpers.tiny_models import make_pair
 
@@ -71,14 +71,6 @@ class DeviceTorchAttention:
         return torch.einsum("thk,tkhd->thd", scores.softmax(-1), v).to(q.dtype)
 
 
-class _Replay:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
 class WarmGraphs(GraphedForward):
     """GraphedForward's own captures (_capture, _capture_chain: not the stand-in's), with a
     _record that executes on the CPU what the CUDA one executes: fn() twice (the warm-up on the
@@ -87,13 +79,7 @@ class WarmGraphs(GraphedForward):
     _check_device = staticmethod(lambda device: None)
     _new_pool = staticmethod(lambda: None)
 
-    @staticmethod
-    def _record(fn, pool, reset=None):
-        for _ in range(2):
-            fn()
-            if reset is not None:
-                reset()
-        return _Replay(fn), None
+    _record = staticmethod(warm_record)
 
 
 # --- engines ------------------------------------------------------------------------------------
