@@ -203,3 +203,16 @@ def test_warm_up_times_graph_replays_alone_beside_whole_steps(tmp_path):
     for b, replay in engine.replay_profile.items():
         assert 0 < replay < profile[b], (b, replay, profile[b])
     assert engine.num_free_blocks == 128   # the staged sequences were freed with the rest
+
+
+def test_graph_capture_writes_no_kv(tmp_path):
+    """Capturing a draft's graphs (buckets, greedy chains, heads, then the sampled chains on the
+    same static inputs) writes no KV: every capture's warm-up runs must see padding (slot -1). The
+    session 21 review found the sampled chains' warm-ups writing block 0 after the heads' capture,
+    on the CPU stand-in (fixed in d2f19aa); this is the same check on real captures."""
+    _, draft_path = make_pair(tmp_path)
+    engine = DraftEngine(EngineConfig(model=draft_path, device="cuda", num_blocks=64, block_size=16))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.heads and graphs.sampled_chains
+    torch.cuda.synchronize()
+    assert not engine.runner.kv.data.any()
