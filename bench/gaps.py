@@ -70,8 +70,8 @@ WAITS = [
 @contextlib.contextmanager
 def wrapped(specs=WRAPPED, scope=None):
     """Each method runs inside scope(label) for the block's duration (default
-    torch.profiler.record_function); methods the class lacks are left out. A method a class inherits (not in its own __dict__) is
-    wrapped on the class and the override removed afterwards."""
+    torch.profiler.record_function); methods the class lacks are left out. A method a class
+    inherits (not in its own __dict__) is wrapped on the class and the override removed afterwards."""
     import importlib
     scope = scope or torch.profiler.record_function
     saved = []

@@ -269,9 +269,8 @@ class GraphedForward(GraphCaptures):
     def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor, pick=None) -> None:
         """What a chain graph runs: the forward of bucket (b, 1), each row's token into tokens[at]
         (the argmax, or pick(logits, at), which writes them and returns them), and the static inputs
-        advanced to the next position. Padding rows keep slot -1 (no KV writes); the block index is
-        clamped so a position past the context stays in the table (its slot is never written: no
-        step follows the last)."""
+        advanced to the next position (slots from the block tables, _table_slots). Padding rows
+        keep slot -1 (no KV writes)."""
         s = g.batch
         logits = self._model(s, self._kv, self._backend)
         if pick is None:
@@ -283,10 +282,15 @@ class GraphedForward(GraphCaptures):
         at.add_(1)
         s.positions.add_(1)
         s.context_lens.add_(1)
-        block = torch.clamp(s.positions // self.block_size, max=self.max_blocks - 1)
-        slot = (s.block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * self.block_size
-                + s.positions % self.block_size)
-        s.slot_mapping.copy_(torch.where(s.slot_mapping >= 0, slot, s.slot_mapping))
+        s.slot_mapping.copy_(torch.where(s.slot_mapping >= 0, self._table_slots(s, s.positions), s.slot_mapping))
+
+    def _table_slots(self, s: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
+        """The KV slot of each row's position [b] in its block table row of s (on the device, for
+        the graphs that move their inputs on); the block index is clamped so that a position past
+        the context stays in the table (its slot is never written: no step follows the last)."""
+        block = torch.clamp(positions // self.block_size, max=self.max_blocks - 1)
+        return (s.block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * self.block_size
+                + positions % self.block_size)
 
     def _chain_buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.zeros(CHAIN_MAX, b, dtype=torch.int64, device=self.device),
@@ -297,9 +301,12 @@ class GraphedForward(GraphCaptures):
         g = self.graphs[(b, 1)]
         own, at = self._chain_buffers(b)
         tokens = own if tokens is None else tokens
-        # The warm-up runs advance the static inputs, which hold padding (slot -1): nothing is
-        # written, and every chain stages its own inputs. `at` goes back to row 0 after each: a
-        # sampled chain's rows are the sampler's (max_num_draft of them, possibly 1).
+        # The warm-up runs advance the static inputs, which must hold padding (slot -1) so that
+        # nothing is written: a head capture before a sampled chain's leaves real slots there (a
+        # session 21 review case), so every slot goes back to -1 first; every chain stages its own
+        # inputs. `at` goes back to row 0 after each run: a sampled chain's rows are the sampler's
+        # (max_num_draft of them, possibly 1).
+        g.batch.slot_mapping.fill_(-1)
         graph, _ = self._record(lambda: self._chain_step(g, tokens, at, pick), pool, reset=at.zero_)
         return _Chain(graph, tokens, at)
 
@@ -322,20 +329,16 @@ class GraphedForward(GraphCaptures):
         s1.context_lens.copy_(s2.context_lens + 1)
         s1.block_tables.copy_(s2.block_tables)
         s1.query_start_loc[1:].copy_(fed.cumsum(0))               # [0] is 0 in every staged batch
-        block = torch.clamp(positions // self.block_size, max=self.max_blocks - 1)
-        slot = (s1.block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * self.block_size
-                + positions % self.block_size)
+        slot = self._table_slots(s1, positions)
         s1.slot_mapping.copy_(torch.where(fed, slot, torch.full_like(slot, -1)))
 
     @torch.inference_mode()
     def _capture_head(self, b: int, pool) -> torch.cuda.CUDAGraph:
         g2, g1, c = self.graphs[(b, 2)], self.graphs[(b, 1)], self.chains[b]
         # The capture's runs leave bucket (b, 1)'s inputs as the head set them (the capture batch's
-        # sequences fed, with real slots in block 0): invalidate what it held and put every slot
-        # back to -1, since the sampled chains are captured later on these inputs unstaged, and
-        # their warm-up runs would write KV there (a session 21 review case).
+        # sequences fed, with real slots in block 0): invalidate what it held (_capture_chain puts
+        # the slots back to padding before the sampled chains are captured on these inputs).
         graph, _ = self._record(lambda: self._head_step(g2, g1, c), pool, reset=c.at.zero_)
-        g1.batch.slot_mapping.fill_(-1)
         g1.stamp = next(_STAMPS)
         return graph
 
@@ -553,13 +556,18 @@ class GraphSets:
     def head_chain(self, batch: ForwardBatch, steps: int) -> torch.Tensor:
         return self._holder(batch).head_chain(batch, steps)
 
+    def _staging_set(self, n: int, q: int, width: int) -> GraphedForward | None:
+        """The set stage() would pick for n sequences of up to q tokens (tables `width` wide)."""
+        return next((s for s in self.sets if s._bucket(n, q, width) is not None), None)
+
     def can_head(self, n: int, steps: int, width: int) -> bool:
-        s = next((s for s in self.sets if s._bucket(n, 2, width) is not None), None)
+        # The set that stage() would pick for the head's (n, 2) feed must have the head and chain.
+        s = self._staging_set(n, 2, width)
         return s is not None and s.can_head(n, steps, width)
 
     def can_chain(self, n: int, steps: int, width: int, sampled: bool = False) -> bool:
         # The set that stage() would pick for the chain's (n, 1) step must have the chain.
-        s = next((s for s in self.sets if s._bucket(n, 1, width) is not None), None)
+        s = self._staging_set(n, 1, width)
         return s is not None and s.can_chain(n, steps, width, sampled)
 
     def capture_sampled_chains(self, pick_for) -> None:

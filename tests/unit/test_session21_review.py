@@ -621,7 +621,7 @@ def test_capture_warm_ups_write_no_kv_without_sampled_chains_or_heads():
 def test_sampled_chain_capture_after_heads_writes_no_kv():
     """The review's bug (a strict xfail before the fix): the head capture's warm-up runs left bucket
     (b, 1)'s static inputs with real KV slots (block 0), and the sampled chains, captured later on
-    those inputs unstaged, wrote KV there in their warm-up runs. _capture_head now puts the slots
-    back to -1."""
+    those inputs unstaged, wrote KV there in their warm-up runs. _capture_chain now puts the slots
+    back to -1 before it captures."""
     graphed = warm_captured((1, 2), sampled=True)
     assert not graphed.kv.data.any()
