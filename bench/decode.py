@@ -7,8 +7,9 @@ For each batch size: the device time of one graphed decode forward (graph replay
 set of bench/common.KERNEL_SETS on the same weights in the same run ("default" is what the servers
 run: fused layer kernels, the Triton GEMV, programmatic dependent launch; silu_gemv adds SiLU * up
 in the gate_up projection's GEMV epilogue, opt-in until measured; the others drop one piece each,
-or all of Triton); the tokens/s of a full greedy loop with the default set through
-ModelRunner.step (host prepare + replay + argmax + one copy to the host per step); the floor
+or all of Triton); the step time and tokens/s of a full greedy loop with each set through
+ModelRunner.step (host prepare + replay + argmax + one copy to the host per step: where a set
+changes what a launch costs, it shows here and not in the replays); the floor
 (weight bytes / copy bandwidth measured in this run); and transformers' eager generate on the same
 weights. --hf-static adds transformers' static cache, which torch.compiles on first use: its
 warm-up runs the same max_new_tokens so compilation stays outside the timing, and it can take minutes.
@@ -33,10 +34,10 @@ PROMPT = 128
 BLOCK = 16
 
 
-def ours(model, batch: int, steps: int, max_len: int, loop: bool = True, query_len: int = 1) -> dict:
+def ours(model, batch: int, steps: int, max_len: int, query_len: int = 1) -> dict:
     """replay_ms: device time of the (batch, 1) graph; with query_len > 1 also verify_replay_ms,
-    the (batch, query_len) graph a verification of query_len - 1 drafts replays. loop: the
-    greedy decode loop's step time and tokens/s too."""
+    the (batch, query_len) graph a verification of query_len - 1 drafts replays; the greedy decode
+    loop's step time and tokens/s."""
     blocks_per_seq = -(-(PROMPT + steps + 8) // BLOCK)
     runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, BLOCK, torch.bfloat16))
     runner.enable_cuda_graphs(max_model_len=max_len, query_lens=tuple(sorted({1, query_len})),
@@ -55,10 +56,6 @@ def ours(model, batch: int, steps: int, max_len: int, loop: bool = True, query_l
     if query_len > 1:
         out["verify_replay_ms"] = do_bench(runner.graphs.graphs[(batch, query_len)].graph.replay,
                                            warmup=10, rep=100, return_mode="median")
-    if not loop:
-        del runner
-        torch.cuda.empty_cache()
-        return out
     # The whole loop a server runs per token.
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -144,13 +141,14 @@ def main() -> int:
         for r in rows:
             def measure():
                 with kernel_set(model, name):
-                    return ours(model, r["batch"], args.steps, max_len, loop=False, query_len=args.query_len)
+                    return ours(model, r["batch"], args.steps, max_len, query_len=args.query_len)
             _compare(r, "replays_" + name, measure)
-            for key in ("replay_ms", "verify_replay_ms"):
+            for key in ("replay_ms", "verify_replay_ms", "step_ms"):
                 other = (r.get("replays_" + name) or {}).get(key)
                 r[f"{key}_{name}"] = other
                 if other and r.get(key):
-                    r[("x_vs_" if key == "replay_ms" else "verify_x_vs_") + name] = other / r[key]
+                    r[{"replay_ms": "x_vs_", "verify_replay_ms": "verify_x_vs_", "step_ms": "step_x_vs_"}[key]
+                      + name] = other / r[key]
         write_result("decode", result)
     del model
     torch.cuda.empty_cache()
@@ -170,7 +168,8 @@ def main() -> int:
     if args.query_len > 1:
         columns += [("verify_replay_ms", f"verify q{args.query_len} ms", ".2f")]
     for name in (n for n in args.sets if n != "default"):
-        columns += [("replay_ms_" + name, name + " ms", ".2f"), ("x_vs_" + name, "x vs " + name, ".2f")]
+        columns += [("replay_ms_" + name, name + " ms", ".2f"), ("x_vs_" + name, "x vs " + name, ".2f"),
+                    ("step_ms_" + name, name + " step ms", ".2f"), ("step_x_vs_" + name, "step x vs " + name, ".3f")]
         if args.query_len > 1:
             columns += [("verify_replay_ms_" + name, f"{name} verify ms", ".2f"),
                         ("verify_x_vs_" + name, "verify x vs " + name, ".2f")]
