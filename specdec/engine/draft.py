@@ -34,16 +34,37 @@ class DraftState:
 
 @dataclass
 class Plan:
+    """One sequence's step. Its tokens before drafting are the held state's first `kept` tokens
+    and then `new` (a new sequence: `new` alone); the state changes only once the step succeeded
+    (commit), in place: a step costs nothing per token of context."""
     index: int            # position in the request
     seq: DraftSeqInput
-    tokens: list[int]     # the sequence after this step's keep + new_tokens, before drafting
+    state: DraftState | None  # the sequence as held (None: new, or restarted by `first`)
+    kept: int             # of state.tokens, how many this step keeps (0 without a state)
+    new: list[int]        # this step's tokens after them
     feed: list[int]       # tokens to run through the model before the first draft
-    base: int             # of `tokens`, how many are confirmed (extend: fewer than all)
+    base: int             # of the step's tokens, how many are confirmed (extend: fewer than all)
     admission: Admission | None = None
 
     @property
+    def length(self) -> int:
+        """Tokens before drafting."""
+        return self.kept + len(self.new)
+
+    @property
     def kv_len_after(self) -> int:
-        return len(self.tokens) + max(self.seq.num_draft - 1, 0)  # the last draft is never fed
+        return self.length + max(self.seq.num_draft - 1, 0)  # the last draft is never fed
+
+    def commit(self, drafts: list[int]) -> DraftState:
+        """The state after this step: the kept tokens, the new ones and the drafts."""
+        if self.state is None:
+            return DraftState(self.new + drafts, self.base)
+        tokens = self.state.tokens
+        del tokens[self.kept:]
+        tokens += self.new
+        tokens += drafts
+        self.state.base = self.base
+        return self.state
 
 
 class DraftEngine(ModelEngine):
@@ -99,7 +120,7 @@ class DraftEngine(ModelEngine):
             self.roll_back(p.admission for p in plans)
             raise
         for plan, toks, q in zip(plans, drafted, probs):
-            self.states[plan.seq.seq_id] = DraftState(plan.tokens + toks, plan.base)
+            self.states[plan.seq.seq_id] = plan.commit(toks)
             outputs[plan.index] = DraftOutput(plan.seq.seq_id, toks, q)
         forwards = clock.seconds()
         self._update_profile(plans, forwards)
@@ -122,29 +143,29 @@ class DraftEngine(ModelEngine):
                 raise unknown_seq(seq.seq_id)
             if not seq.new_tokens:
                 raise SeqFailure(Code.INVALID_ARGUMENT, f"new_tokens: empty for new sequence {seq.seq_id}")
-            tokens = list(seq.new_tokens)
+            new = list(seq.new_tokens)
+            self.check_length(len(new) + seq.num_draft, "new_tokens + num_draft")
+            return Plan(index, seq, None, 0, new, feed=new, base=len(new))
+        drafted = len(state.tokens) - state.base
+        if not 0 <= seq.keep <= drafted:
+            raise SeqFailure(Code.INVALID_ARGUMENT,
+                             f"keep: {seq.keep} outside 0..{drafted} (drafts proposed last step)")
+        if seq.extend:
+            # Pipelined: the target still verifies the proposal; its first `keep` tokens are
+            # confirmed and the rest stay proposed, with the new drafts after them.
+            if seq.new_tokens:
+                raise SeqFailure(Code.INVALID_ARGUMENT, "new_tokens: must be empty with extend")
+            kept, new = len(state.tokens), []
         else:
-            drafted = len(state.tokens) - state.base
-            if not 0 <= seq.keep <= drafted:
-                raise SeqFailure(Code.INVALID_ARGUMENT,
-                                 f"keep: {seq.keep} outside 0..{drafted} (drafts proposed last step)")
-            if seq.extend:
-                # Pipelined: the target still verifies the proposal; its first `keep` tokens are
-                # confirmed and the rest stay proposed, with the new drafts after them.
-                if seq.new_tokens:
-                    raise SeqFailure(Code.INVALID_ARGUMENT, "new_tokens: must be empty with extend")
-                tokens = list(state.tokens)
-            else:
-                tokens = state.tokens[:state.base + seq.keep] + list(seq.new_tokens)
-        self.check_length(len(tokens) + seq.num_draft, "new_tokens + num_draft")
-        if state is None:
-            return Plan(index, seq, tokens, feed=tokens, base=len(tokens))
-        base = state.base + seq.keep if seq.extend else len(tokens)
-        kv_len = min(self.runner.num_tokens(seq.seq_id), len(tokens) if seq.extend else state.base + seq.keep)
-        if kv_len == len(tokens) and seq.num_draft:
+            kept, new = state.base + seq.keep, list(seq.new_tokens)
+        length = kept + len(new)
+        self.check_length(length + seq.num_draft, "new_tokens + num_draft")
+        base = state.base + seq.keep if seq.extend else length
+        kv_len = min(self.runner.num_tokens(seq.seq_id), kept)
+        if kv_len == length and seq.num_draft:
             kv_len -= 1  # nothing new to feed, but drafting needs the last token's logits
         self.runner.truncate(seq.seq_id, kv_len)
-        return Plan(index, seq, tokens, feed=tokens[kv_len:], base=base)
+        return Plan(index, seq, state, kept, new, feed=state.tokens[kv_len:kept] + new, base=base)
 
     def _draft(self, plans: list[Plan], clock) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per plan the drafted tokens and (sampled sequences only) the transport-rounded
@@ -166,7 +187,7 @@ class DraftEngine(ModelEngine):
             # the target's token (the first of an extension; see draft_sample).
             sampling = [plans[i].seq.sampling for i in active]
             seeds = resolve_seeds(sampling)
-            first_pos = [len(plans[i].tokens) for i in active]
+            first_pos = [plans[i].length for i in active]
             guess = [bool(plans[i].seq.extend) for i in active]
         items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids

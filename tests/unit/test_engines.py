@@ -484,3 +484,29 @@ def test_warm_up_without_a_block_for_the_replay_profile_skips_only_it(pair, monk
         staged_graph=lambda b: pytest.fail("no batch should be staged")))
     table = engine.warm_up(repeats=3, prompt_lens=())
     assert set(table) == {1} and engine.replay_profile == {} and engine.num_free_blocks == 5
+
+
+def test_draft_state_moves_in_place_and_a_failed_step_keeps_it(engines, monkeypatch):
+    """A step rolls the held token list back and extends it in place (no copy of the context per
+    step); a step whose drafting fails leaves the list as it was."""
+    draft, _ = engines
+    prompt = list(range(1, 40))
+    d = draft.propose([DraftSeqInput(1, 0, prompt, 3, first=True)]).outputs[0].tokens
+    held = draft.states[1].tokens
+    e = draft.propose([DraftSeqInput(1, 1, [9], 3)]).outputs[0].tokens
+    assert draft.states[1].tokens is held and held == prompt + d[:1] + [9] + e
+    assert draft.states[1].base == len(prompt) + 2
+    before = list(held)
+
+    def boom(*a, **kw):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(draft, "_draft", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        draft.propose([DraftSeqInput(1, 2, [5], 3)])
+    assert draft.states[1].tokens is held and held == before and draft.states[1].base == len(prompt) + 2
+    monkeypatch.undo()
+    f = draft.propose([DraftSeqInput(1, 3, [8], 2)]).outputs[0].tokens
+    fresh = draft.propose([DraftSeqInput(2, 0, prompt + d[:1] + [9] + e + [8], 2, first=True)]).outputs[0].tokens
+    assert f == fresh
+    draft.release([1, 2])
+    assert draft.num_free_blocks == draft.runner.blocks.num_blocks
