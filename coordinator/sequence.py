@@ -33,6 +33,9 @@ from coordinator.stops import StopStrings
 from coordinator.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
+_new_tuple = tuple.__new__
+
+
 class Proposed(NamedTuple):
     """One token of the draft's proposal, as the coordinator mirrors it."""
     token: int
@@ -139,6 +142,8 @@ class Sequence:
         self._detok = IncrementalDetokenizer(self.tokenizer, list(self.params.prompt_ids))
         self._stops = StopStrings(self.params.stop)
         self._unrendered: collections.deque[Chunk] = collections.deque()  # emitted, text not read yet
+        self._finish_ids_of: GenParams | None = None  # (_finish_ids' cache)
+        self._finish_ids_set: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +192,14 @@ class Sequence:
             return Finish.LENGTH
         return None
 
+    def _finish_ids(self) -> frozenset[int]:
+        """The ids that end this sequence when emitted (stop_token_ids and eos_token_ids: what
+        _token_finish tests), cached for the sequence's params."""
+        if self._finish_ids_of is not self.params:
+            self._finish_ids_set = frozenset(self.params.stop_token_ids) | frozenset(self.params.eos_token_ids)
+            self._finish_ids_of = self.params
+        return self._finish_ids_set
+
     def _emit_ids(self, tokens: list[int]) -> Chunk:
         """emit() without stop strings: every stop condition is a token's, so the step's tokens
         are cut first; they are detokenized together (two tokenizer calls a step, not two a
@@ -194,12 +207,15 @@ class Sequence:
         budget = self.remaining
         finish = None
         n = len(tokens)
-        for i, tok in enumerate(tokens):
-            finish = self._token_finish(tok, budget - (i + 1))
-            if finish is not None:
-                n = i + 1
-                break
-        taken = list(tokens[:n])
+        if n < budget and self._finish_ids().isdisjoint(tokens):
+            taken = list(tokens)  # no token ends it, and budget is left after the last: all of them
+        else:
+            for i, tok in enumerate(tokens):
+                finish = self._token_finish(tok, budget - (i + 1))
+                if finish is not None:
+                    n = i + 1
+                    break
+            taken = list(tokens[:n])
         self.output.extend(taken)
         chunk = Chunk(None, taken, finish, self)
         self._unrendered.append(chunk)
@@ -224,20 +240,32 @@ class Sequence:
         (specdec/sampling/draft.py): it may be confirmed, never verified as a draft, since the
         target's correction at its position draws with that uniform too. Until tokens are
         confirmed, keep is 0: a lost verify discards nothing that was not confirmed."""
-        rows = rows if rows is not None else [None] * len(tokens)
-        guess = extend and self.params.sampling.temperature > 0
-        new = [Proposed(tok, row, guess and i == 0) for i, (tok, row) in enumerate(zip(tokens, rows))]
-        self.draft_prop = (self.draft_prop[self.draft_keep:] if extend else []) + new
+        # (tuple.__new__: a NamedTuple's own __new__ is a Python call per token, on the step's path)
+        if rows is None:
+            new = [_new_tuple(Proposed, (tok, None, False)) for tok in tokens]
+        else:
+            new = [_new_tuple(Proposed, (tok, row, False)) for tok, row in zip(tokens, rows)]
+        if new and extend and self.params.sampling.temperature > 0:
+            new[0] = new[0]._replace(guess=True)
+        self.draft_prop = self.draft_prop[self.draft_keep:] + new if extend else new
         self.draft_keep, self.draft_pending = 0, []
 
     def draft_confirm(self, tokens: list[int]) -> None:
         """Tokens the target emitted (see the module docstring)."""
-        prop = self.draft_prop
-        for tok in tokens:
-            if not self.draft_pending and self.draft_keep < len(prop) and prop[self.draft_keep].token == tok:
-                self.draft_keep += 1
-            else:
-                self.draft_pending.append(tok)
+        # Each token extends the kept prefix while it is the next proposed one and nothing is
+        # pending; from the first that is not, the rest are pending.
+        prop, keep, i = self.draft_prop, self.draft_keep, 0
+        if not self.draft_pending:
+            n = len(prop)
+            for tok in tokens:
+                if keep < n and prop[keep][0] == tok:
+                    keep += 1
+                    i += 1
+                else:
+                    break
+            self.draft_keep = keep
+        if i < len(tokens):
+            self.draft_pending.extend(tokens[i:])
 
     @property
     def draft_ahead(self) -> list[int]:

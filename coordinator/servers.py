@@ -59,6 +59,80 @@ class StepFailed(ConnectionError):
         self.code = code
 
 
+# StepDeadlines needs Task.cancelling / uncancel (Python 3.11); before, steps use asyncio.wait_for.
+_DEADLINES = hasattr(asyncio.Task, "uncancel")
+
+
+class _Guard:
+    __slots__ = ("task", "deadline", "cancelling", "expired")
+
+    def __init__(self, task: asyncio.Task, deadline: float):
+        self.task, self.deadline, self.expired = task, deadline, False
+        self.cancelling = task.cancelling()
+
+
+class StepDeadlines:
+    """Deadlines of a server's steps with asyncio.timeout's semantics (at its deadline a step's task
+    is cancelled, and the step raises TimeoutError unless its task was also cancelled from
+    outside), under one timer for many steps. asyncio.wait_for arms and cancels a timer for each
+    call (~7 us a call on the 2-core VM with Python 3.12, half before the request is written and
+    half after the answer is read: the step's critical path); here a step only registers its
+    deadline. The timer is armed for the earliest deadline registered since it last fired; when it
+    fires it expires the steps whose deadline it reached and re-arms for the earliest left, so it
+    fires about once per timeout's length while steps keep coming."""
+
+    def __init__(self):
+        self._guards: set[_Guard] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self, aw, loop: asyncio.AbstractEventLoop, deadline: float):
+        """Awaits `aw` (a coroutine) in the current task, within `deadline` (loop time)."""
+        task = asyncio.current_task()
+        guard = _Guard(task, deadline)
+        self._guards.add(guard)
+        if self._timer is None or self._timer_at > deadline or self._timer_loop is not loop:
+            self._arm(loop, deadline)
+        try:
+            result = await aw
+        except BaseException as e:
+            self._guards.discard(guard)
+            if guard.expired and task.uncancel() <= guard.cancelling and type(e) is asyncio.CancelledError:
+                raise TimeoutError from e  # (what asyncio.timeout raises)
+            raise
+        self._guards.discard(guard)
+        if guard.expired:
+            task.uncancel()
+        return result
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._fire)
+        self._timer_at, self._timer_loop = when, loop
+
+    def _fire(self) -> None:
+        self._timer = None
+        at = self._timer_at
+        left = None
+        for guard in self._guards:
+            if guard.expired:
+                continue
+            if guard.deadline <= at:  # (the loop runs a timer within its clock resolution of `at`)
+                guard.expired = True
+                guard.task.cancel()
+            elif left is None or guard.deadline < left:
+                left = guard.deadline
+        if left is not None:
+            self._arm(self._timer_loop, left)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class ChannelCall:
     """One connection to a server's step channel, used as the gRPC stream call is (write, read,
     done, cancel): read returns grpc.aio.EOF where the server closed it between frames."""
@@ -165,6 +239,7 @@ class ModelServer:
         self._failed_since_info = False
         self._call = None
         self._stale = False  # an Info named another channel: the next step opens a new call
+        self._deadlines = StepDeadlines()
 
     @property
     def transport(self) -> str:
@@ -218,7 +293,10 @@ class ModelServer:
         except Exception as e:
             self._failed(e)
             raise
-        self._observe(self.rpc, t0)
+        if self.metrics is not None:
+            # Recorded once the caller waits next (after its next request is written): a histogram
+            # observation is ~4 us, on the step's critical path here. The same value.
+            asyncio.get_running_loop().call_soon(self.metrics.observe_rpc, self.rpc, time.perf_counter() - t0)
         return response
 
     async def _step(self, request, timeout: float | None, on_sent=None):
@@ -235,7 +313,10 @@ class ModelServer:
         deadline = None if timeout is None else loop.time() + timeout
         try:
             try:
-                response = await asyncio.wait_for(self._exchange(request, on_sent), timeout)
+                if deadline is not None and timeout > 0 and _DEADLINES:
+                    response = await self._deadlines.run(self._exchange(request, on_sent), loop, deadline)
+                else:
+                    response = await asyncio.wait_for(self._exchange(request, on_sent), timeout)
             except ChannelUnreachable as e:
                 self.reset()
                 self._channel_off = True
@@ -293,4 +374,5 @@ class ModelServer:
 
     async def close(self) -> None:
         self.reset()
+        self._deadlines.close()
         await self.channel.close()

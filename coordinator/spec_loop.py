@@ -70,6 +70,7 @@ class Plan:
     probs: pb.Probs | None = None
     ahead: bool = False  # the drafts were proposed during the last step's verify (--pipeline)
     draft_prefill: bool = False  # the Propose fed the draft a prompt (first, or a catch-up of > 2 tokens)
+    draft_bytes: bytes | None = None  # drafts as the draft sent them (packed ids) when from this step's Propose
 
 
 def sampling_pb(seq: Sequence) -> pb.SamplingParams:
@@ -104,6 +105,7 @@ class SpecLoop:
         self._release_retry_s = RELEASE_RETRY_S[0]
         self.busy_poll = BusyPoll(config.busy_poll_ms / 1e3)  # specdec/busy_poll.py
         self.pipeline = config.pipeline == "on"  # the coordinator resolves "auto" (pipeline_enabled)
+        self._running_shown: int | None = None  # the running-sequences gauge as last set here
 
     # --- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -118,7 +120,7 @@ class SpecLoop:
                 started = time.perf_counter()
                 sched.drop_cancelled()
                 sched.admit()
-                self.metrics.set_running(len(sched.running))
+                self._set_running(len(sched.running))
                 if not sched.running:
                     await self._release_now()
                     continue
@@ -171,13 +173,16 @@ class SpecLoop:
         prompt left without any this step sits the step out. Decode and verify sequences always
         take part."""
         budget = self.config.prefill_chunk
+        batch = len(seqs)
         plans = []
         for seq in seqs:
-            if seq.prefilling and budget <= 0:
+            if not seq.prefilling:  # (_plan's decode case, inline: most of a step's plans)
+                plans.append(Plan(seq, list(seq.target_pending), num_draft=self._num_draft(seq, batch)))
                 continue
-            plans.append(self._plan(seq, len(seqs), budget))
-            if seq.prefilling:
-                budget -= len(plans[-1].target_new)
+            if budget <= 0:
+                continue
+            plans.append(self._plan(seq, batch, budget))
+            budget -= len(plans[-1].target_new)
         return plans
 
     def _num_draft(self, seq: Sequence, batch: int) -> int:
@@ -186,19 +191,24 @@ class SpecLoop:
             # Above --spec-max-batch the step decodes plainly; the draft catches up on the tokens
             # it missed (draft_pending) at the next step that drafts.
             return 0
-        alpha, c = self._policy_inputs
-        k = choose_num_draft(requested=seq.params.num_draft, policy=cfg.gamma_policy,
-                             default=cfg.num_draft, max_gamma=cfg.max_num_draft,
-                             accepted=seq.accepted, rejections=seq.rejections,
-                             global_alpha=alpha, c=c)
+        requested = seq.params.num_draft
+        if requested <= 0 and cfg.gamma_policy == "fixed":
+            k = cfg.num_draft  # (what choose_num_draft answers, without its call: every sequence, every step)
+        else:
+            alpha, c = self._policy_inputs
+            k = choose_num_draft(requested=requested, policy=cfg.gamma_policy,
+                                 default=cfg.num_draft, max_gamma=cfg.max_num_draft,
+                                 accepted=seq.accepted, rejections=seq.rejections,
+                                 global_alpha=alpha, c=c)
         # More drafts than tokens the sequence may still emit are wasted (the target adds one);
         # the draft server must also stay within its own length limit.
         k = min(k, seq.remaining - 1)
         if self.draft_max_len:
             k = min(k, self.draft_max_len - seq.num_tokens)
-        for limit in (self.draft_max_num_draft, self.target_max_num_draft):
-            if limit:
-                k = min(k, limit)
+        if self.draft_max_num_draft:
+            k = min(k, self.draft_max_num_draft)
+        if self.target_max_num_draft:
+            k = min(k, self.target_max_num_draft)
         return max(k, 0)
 
     async def _step(self, seqs: list[Sequence], started: float) -> None:
@@ -215,14 +225,15 @@ class SpecLoop:
         t0 = time.perf_counter()
         # The Verify is built while the draft works (once the Propose is written), but for the
         # drafts; with no Propose to send, here.
-        built: list[pb.VerifyRequest] = []
+        built: list = []  # [VerifyRequest, its seqs' messages in plan order]
         draft_timing = await self._propose(plans, functools.partial(self._verify_request_early, plans, built))
         t1 = time.perf_counter()
         self._verify_request(plans, built)   # (built already, or raises here: the step fails, not the draft)
         request = built[0]
-        for p, msg in zip(plans, request.seqs):
+        for p, msg in zip(plans, built[1]):
             if p.drafts:
-                msg.draft_tokens = pack_ids(p.drafts)
+                # The draft's bytes are the packed drafts (checked_proposal unpacked them).
+                msg.draft_tokens = p.draft_bytes if p.draft_bytes is not None else pack_ids(p.drafts)
             if p.probs is not None:
                 msg.draft_probs.CopyFrom(p.probs)  # as received: exactness
         sched = self.scheduler
@@ -237,19 +248,22 @@ class SpecLoop:
                 await ahead  # one request at a time on the draft stream: the next step waits for it
 
     def _verify_request(self, plans: list[Plan], built: list) -> None:
-        """The step's VerifyRequest without drafts and releases, into `built` (once: it may be
-        called again when the Propose goes again over gRPC). Nothing it reads changes while the
-        draft works: the target's side of a sequence moves only when a Verify's answer is applied."""
+        """The step's VerifyRequest without drafts and releases, and its seqs' messages in plan
+        order, into `built` (once: it may be called again when the Propose goes again over gRPC).
+        Nothing it reads changes while the draft works: the target's side of a sequence moves only
+        when a Verify's answer is applied."""
         if built:
             return
         request = pb.VerifyRequest(step=self._step_no)
+        msgs = []  # (kept: iterating request.seqs after the draft's answer makes a wrapper per message)
         for p in plans:
             msg = request.seqs.add(seq_id=p.seq.seq_id, new_tokens=pack_ids(p.target_new), sampling=sampling_pb(p.seq))
             if p.partial:  # (false flags are not passed: each keyword costs a step at large batches)
                 msg.partial_prefill = True
             if p.seq.target_first:
                 msg.first = True
-        built.append(request)
+            msgs.append(msg)
+        built += (request, msgs)
 
     def _verify_request_early(self, plans: list[Plan], built: list) -> None:
         """_verify_request from inside the draft's call: a failure there is not the draft's (it
@@ -286,16 +300,28 @@ class SpecLoop:
             stages["ahead"] = time.perf_counter() - t3
         for seq, tokens in confirms:
             seq.draft_confirm(tokens)
-        drafted, accepted, emitted = zip(*outcomes)
         # Off the critical path: the step's statistics (a few hundred us of Python per step on
         # a slow host) are recorded once the next step's Propose is on its way, when the loop
-        # first waits; the γ policy then reads statistics one step old.
-        asyncio.get_running_loop().call_soon(functools.partial(
-            self.metrics.observe_step, drafted, accepted, emitted,
-            step_seconds=time.perf_counter() - started, stage_seconds=stages,
+        # first waits; the γ policy then reads statistics one step old. (Only the step's time is
+        # taken here; what is derived from the plans and outcomes is worked out then.)
+        asyncio.get_running_loop().call_soon(self._observe_step, outcomes, plans, time.perf_counter() - started,
+                                             stages, draft_timing, response.timing)
+        self._set_running(len(sched.running))
+
+    def _observe_step(self, outcomes: list[tuple[int, int, int]], plans: list[Plan], step_seconds: float,
+                      stages: dict, draft_timing, target_timing) -> None:
+        drafted, accepted, emitted = zip(*outcomes)
+        self.metrics.observe_step(
+            drafted, accepted, emitted, step_seconds=step_seconds, stage_seconds=stages,
             has_prefill=any(p.partial or len(p.target_new) > 1 or p.draft_prefill for p in plans),
-            draft_timing=draft_timing, target_timing=response.timing))
-        self.metrics.set_running(len(sched.running))
+            draft_timing=draft_timing, target_timing=target_timing)
+
+    def _set_running(self, n: int) -> None:
+        """The running-sequences gauge, set only when it changes (twice a step otherwise, ~2 us each
+        on the step's critical path)."""
+        if n != self._running_shown:
+            self._running_shown = n
+            self.metrics.set_running(n)
 
     async def _propose(self, plans: list[Plan], on_sent=None) -> pb.StepTiming | None:
         """The draft's part of the step; on return every plan's drafts are set (or num_draft is 0).
@@ -361,14 +387,15 @@ class SpecLoop:
             if p.partial:
                 continue  # appended: nothing proposed, nothing to mirror
             p.drafts, p.probs = proposal
-            p.seq.draft_proposed(p.drafts, rows=self._rows(p.probs))
+            p.draft_bytes = r.tokens
+            p.seq.draft_proposed(p.drafts, rows=None if p.probs is None else self._rows(p.probs))
         return response.timing
 
     def _proposal(self, seq: Sequence, r: pb.DraftResult, num_draft: int):
         """A draft result's (drafts, probs), checked; None when the sequence goes without drafts
         this step (the draft lost it: resent from the start next time; or it failed for it: the
         sequence goes on by plain decoding)."""
-        if r.error.code == NOT_FOUND and seq.draft_resends < MAX_DRAFT_RESENDS:
+        if r.HasField("error") and r.error.code == NOT_FOUND and seq.draft_resends < MAX_DRAFT_RESENDS:
             # The draft lost it (restarted between steps, or dropped it): no drafts this
             # step, and the next proposal sends it afresh (prompt + output, with `first`).
             self.metrics.count_error("NOT_FOUND")
@@ -504,26 +531,28 @@ class SpecLoop:
         if p.partial:
             seq.target_pending = seq.target_pending[len(p.target_new):]
             return 0, 0, 0
-        if not 0 <= r.accepted <= len(p.drafts) or not 0 <= r.next_token < self.vocab_size:
+        accepted, next_token, drafts = r.accepted, r.next_token, p.drafts  # (each field read once)
+        if not 0 <= accepted <= len(drafts) or not 0 <= next_token < self.vocab_size:
             self.metrics.count_error("INTERNAL")
             self._abort(seq, grpc.StatusCode.INTERNAL,
-                        f"target returned accepted={r.accepted} next_token={r.next_token} "
-                        f"for {len(p.drafts)} drafts")
+                        f"target returned accepted={accepted} next_token={next_token} "
+                        f"for {len(drafts)} drafts")
             return 0, 0, 0
-        tokens = p.drafts[:r.accepted] + [r.next_token]
-        seq.target_pending = [r.next_token]
+        tokens = drafts[:accepted] + [next_token]
+        seq.target_pending = [next_token]
         if seq.use_draft:
             confirms.append((seq, tokens))
+        num_draft = p.num_draft
         seq.target_resends = 0
         seq.steps += 1
-        seq.drafted += p.num_draft
-        seq.accepted += r.accepted
-        seq.rejections += r.accepted < p.num_draft
+        seq.drafted += num_draft
+        seq.accepted += accepted
+        seq.rejections += accepted < num_draft
         chunk = seq.emit(tokens)
         if chunk.finish is not None:
             self.scheduler.retire(seq)  # leaves the batch before the client sees the end
         seq.queue.put_nowait(chunk)
-        return p.num_draft, r.accepted, len(chunk.token_ids)
+        return num_draft, accepted, len(chunk.token_ids)
 
     # --- failures and releases ---------------------------------------------------------------
     async def _target_lost(self, seqs: list[Sequence], reason: str) -> None:
