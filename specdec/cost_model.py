@@ -103,10 +103,29 @@ class CostProfile:
             raise ValueError(f"seconds must be non-negative, got {seconds}")
         return self._store(batch_size, query_len, float(seconds), replace=False)
 
-    def _store(self, batch_size: int, query_len: int, seconds: float, replace: bool) -> float:
+    def update_many(self, batch_size: int, query_len: int, samples: Sequence[float],
+                    each: Callable[[float], None] | None = None) -> float | None:
+        """update() of each sample in turn, at one batch size: the same entries and listener calls
+        (each(sample) after each sample's), the bucket looked up once. The last value (None: no
+        samples)."""
         if query_len < 1:
             raise ValueError(f"query_len must be positive, got {query_len}")
         key = (bucket_for(batch_size, self.buckets), query_len)
+        value = None
+        for seconds in samples:
+            if seconds < 0:
+                raise ValueError(f"seconds must be non-negative, got {seconds}")
+            value = self._store_at(key, float(seconds), replace=False)
+            if each is not None:
+                each(seconds)
+        return value
+
+    def _store(self, batch_size: int, query_len: int, seconds: float, replace: bool) -> float:
+        if query_len < 1:
+            raise ValueError(f"query_len must be positive, got {query_len}")
+        return self._store_at((bucket_for(batch_size, self.buckets), query_len), seconds, replace)
+
+    def _store_at(self, key: tuple[int, int], seconds: float, replace: bool) -> float:
         with self._lock:
             old = self._table.get(key)
             if replace or old is None:
@@ -116,7 +135,7 @@ class CostProfile:
                 value = ema(old, sample, self.ema_weight)
             self._table[key] = value
         for listener in self._listeners:
-            listener(key[0], query_len, value)
+            listener(key[0], key[1], value)
         return value
 
     def subscribe(self, listener: Callable[[int, int, float], None]) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import gc
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +87,17 @@ class _Chain:
     graph: torch.cuda.CUDAGraph  # a step on bucket (b, 1)'s static inputs, then the next's inputs
     tokens: torch.Tensor         # [rows, b] int64: row `at` is the token the replay picked
     at: torch.Tensor             # [1] int64: the row the next replay writes
+
+
+class StagedKey(NamedTuple):
+    """What stage(..., key_only=True) returns in place of a ForwardBatch, for the chains
+    (chain, head_chain), which read nothing else of a staged batch: its bucket (b, q), the stamp
+    of what the bucket's static inputs held once staged, and the number of sequences. Refused, as
+    a staged batch is, once a later stage overwrote the static inputs."""
+    b: int
+    q: int
+    stamp: int
+    n: int
 
 
 class GraphCaptures:
@@ -240,10 +252,11 @@ class GraphedForward(GraphCaptures):
         return batch, packed
 
     def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows,
-              query_lens: list[int], width: int) -> ForwardBatch | None:
+              query_lens: list[int], width: int, key_only: bool = False) -> ForwardBatch | StagedKey | None:
         """A step's host arrays (runner.prepare's; width = its longest block table) written
         straight into the static inputs of the graph that will run it, in one copy; None when no
-        graph fits (the step runs eagerly)."""
+        graph fits (the step runs eagerly). key_only: a StagedKey instead of the batch (the
+        chains need no more; building the batch's views is most of a stage's own host time)."""
         n = len(query_lens)
         key = self._bucket(n, max(query_lens), width, len(ids), len(logit_rows))
         if key is None:
@@ -252,6 +265,8 @@ class GraphedForward(GraphCaptures):
         g = self.graphs[key]
         v = self._fill(g.packed, b, q, ids, positions, slots, starts, ctx_lens, tables, logit_rows)
         g.stamp = next(_STAMPS)
+        if key_only:
+            return StagedKey(b, q, g.stamp, n)
         t = len(ids)
         return ForwardBatch(input_ids=v[0][:t], positions=v[1][:t], slot_mapping=v[2][:t],
                             query_start_loc=v[3][:n + 1], context_lens=v[4][:n],
@@ -356,25 +371,31 @@ class GraphedForward(GraphCaptures):
     def can_chain(self, n: int, steps: int, width: int, sampled: bool = False) -> bool:
         """Whether `steps` chained steps of n sequences (block tables `width` wide after the last)
         fit a chain graph (a sampled one: its bucket is the smallest that holds n)."""
-        key = self._bucket(n, 1, width)
+        return self._can_chain(self._bucket(n, 1, width), steps, sampled)
+
+    def _can_chain(self, key: tuple[int, int] | None, steps: int, sampled: bool = False) -> bool:
         chains = self.sampled_chains if sampled else self.chains
         return 1 <= steps <= CHAIN_MAX and key is not None and key[1] == 1 and key[0] in chains
 
-    @torch.inference_mode()
-    def chain(self, batch: ForwardBatch, first_ids: torch.Tensor | None, steps: int, sampled: bool = False,
-              start: int = 0) -> torch.Tensor:
-        """Runs `steps` single-token steps from a batch staged on bucket (b, 1), the first fed
-        first_ids (on the device; None: the staged ids), each later one the token picked before it;
-        [steps, n] ids: the argmaxes, or with `sampled` the draws of the sampled chain, written to
-        rows start .. start + steps - 1 of its token rows. The static inputs move on, so the batch
-        is spent afterwards."""
-        g = self.staged_graph(batch)
-        b, q, _ = batch.graph_key
+    def chain(self, batch: ForwardBatch | StagedKey, first_ids: torch.Tensor | None, steps: int,
+              sampled: bool = False, start: int = 0) -> torch.Tensor:
+        """Runs `steps` single-token steps from a batch (or StagedKey) staged on bucket (b, 1), the
+        first fed first_ids (on the device; None: the staged ids), each later one the token picked
+        before it; [steps, n] ids: the argmaxes, or with `sampled` the draws of the sampled chain,
+        written to rows start .. start + steps - 1 of its token rows. The static inputs move on, so
+        the batch is spent afterwards. In inference mode (entered here unless the caller is in it)."""
+        if torch.is_inference_mode_enabled():
+            return self._run_chain(batch, first_ids, steps, sampled, start)
+        with torch.inference_mode():
+            return self._run_chain(batch, first_ids, steps, sampled, start)
+
+    def _run_chain(self, batch: ForwardBatch | StagedKey, first_ids: torch.Tensor | None, steps: int,
+                   sampled: bool, start: int) -> torch.Tensor:
+        g, b, q, n = self._staged(batch)
         c = (self.sampled_chains if sampled else self.chains).get(b)
         if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX or not 0 <= start <= c.tokens.shape[0] - steps:
             raise ValueError(f"no {'sampled ' if sampled else ''}chain of {steps} steps from row {start} "
                              f"on graph {b}x{q}")
-        n = batch.input_ids.numel()
         if first_ids is not None:
             g.batch.input_ids[:n].copy_(first_ids, non_blocking=True)
         c.at.fill_(start)
@@ -387,17 +408,23 @@ class GraphedForward(GraphCaptures):
     def can_head(self, n: int, steps: int, width: int) -> bool:
         """Whether n sequences feeding up to 2 tokens, then `steps` - 1 chained steps (block
         tables `width` wide after the last), fit a head graph and its chain."""
-        key = self._bucket(n, 2, width)
+        return self._can_head(self._bucket(n, 2, width), steps)
+
+    def _can_head(self, key: tuple[int, int] | None, steps: int) -> bool:
         return (1 <= steps <= CHAIN_MAX and key is not None and key[1] == 2 and key[0] in self.heads
                 and key[0] in self.chains)
 
-    @torch.inference_mode()
-    def head_chain(self, batch: ForwardBatch, steps: int) -> torch.Tensor:
-        """The head graph of a batch staged on bucket (b, 2), then `steps` - 1 replays of chain b:
-        [steps, n] ids, the argmax of each sequence's last fed token first. Both buckets' static
-        inputs are spent afterwards."""
-        g2 = self.staged_graph(batch)
-        b, q, _ = batch.graph_key
+    def head_chain(self, batch: ForwardBatch | StagedKey, steps: int) -> torch.Tensor:
+        """The head graph of a batch (or StagedKey) staged on bucket (b, 2), then `steps` - 1
+        replays of chain b: [steps, n] ids, the argmax of each sequence's last fed token first.
+        Both buckets' static inputs are spent afterwards. In inference mode (as chain)."""
+        if torch.is_inference_mode_enabled():
+            return self._run_head_chain(batch, steps)
+        with torch.inference_mode():
+            return self._run_head_chain(batch, steps)
+
+    def _run_head_chain(self, batch: ForwardBatch | StagedKey, steps: int) -> torch.Tensor:
+        g2, b, q, n = self._staged(batch)
         head = self.heads.get(b)
         if q != 2 or head is None or not 1 <= steps <= CHAIN_MAX:
             raise ValueError(f"no head and chain of {steps} steps on graph {b}x{q}")
@@ -408,7 +435,7 @@ class GraphedForward(GraphCaptures):
         self.replays += steps
         g2.stamp = next(_STAMPS)
         self.graphs[(b, 1)].stamp = next(_STAMPS)
-        return c.tokens[:steps, :len(batch.query_lens_host)].clone()
+        return c.tokens[:steps, :n].clone()
 
     def _bucket(self, n: int, q_max: int, width: int, num_tokens: int = 0,
                 num_logits: int = 0) -> tuple[int, int] | None:
@@ -417,12 +444,16 @@ class GraphedForward(GraphCaptures):
         only a prefill bucket can refuse): the smallest such q, then the smallest b."""
         if width > self.max_blocks:
             return None
-        for q in self.query_lens + self.prefill_lens:
-            if q < q_max:
-                continue
-            for b in self.batch_sizes:
-                if b >= n and self.shape(b, q).fits(num_tokens, num_logits):
-                    return (b, q)
+        for q in self.query_lens:          # shape(b, q): b x q rows, logits of every row
+            if q >= q_max:
+                for b in self.batch_sizes:
+                    if b >= n and num_tokens <= b * q:
+                        return (b, q)
+        for q in self.prefill_lens:        # all longer than the query lens: the same order as before
+            if q >= q_max:
+                for b in self.batch_sizes:
+                    if b >= n and self.shape(b, q).fits(num_tokens, num_logits):
+                        return (b, q)
         return None
 
     @torch.inference_mode()
@@ -438,9 +469,7 @@ class GraphedForward(GraphCaptures):
         b, q, stamp = batch.graph_key
         g = self.graphs.get((b, q))
         if g is None or stamp != g.stamp:
-            raise RuntimeError(f"this batch's static inputs (graph {b}x{q}) were overwritten by a later "
-                               "step, or it was staged by another runner: forward a staged batch on its "
-                               "runner before preparing the next one")
+            raise RuntimeError(_OVERWRITTEN.format(b=b, q=q))
         # A prefill graph gathers its logit rows from the staged segment too (none asked: no check,
         # an empty view has no address of its own).
         gathers = self.shape(b, q).logit_rows is not None and batch.logits_indices.numel()
@@ -449,6 +478,19 @@ class GraphedForward(GraphCaptures):
             raise ValueError(f"a staged batch may replace only input_ids; {', '.join(fields)} "
                              "are the graph's static inputs as staged")
         return g
+
+    def _staged(self, staged: ForwardBatch | StagedKey) -> tuple[_Graph, int, int, int]:
+        """(graph, b, q, sequences) of what a chain runs from: a staged batch (staged_graph's
+        checks) or a StagedKey, refused as staged_graph refuses a batch once its graph's inputs
+        were overwritten (a key replaces nothing: there is no view of its own to check)."""
+        if isinstance(staged, ForwardBatch):
+            b, q, _ = staged.graph_key
+            return self.staged_graph(staged), b, q, len(staged.query_lens_host)
+        b, q, stamp, n = staged
+        g = self.graphs.get((b, q))
+        if g is None or stamp != g.stamp:
+            raise RuntimeError(_OVERWRITTEN.format(b=b, q=q))
+        return g, b, q, n
 
     def _replay_staged(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor:
         g = self.staged_graph(batch)
@@ -475,6 +517,8 @@ class GraphedForward(GraphCaptures):
 
 
 _STAGED_ONLY = ("positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables")
+_OVERWRITTEN = ("this batch's static inputs (graph {b}x{q}) were overwritten by a later step, or it was "
+                "staged by another runner: forward a staged batch on its runner before preparing the next one")
 
 
 class GraphSets:
@@ -509,10 +553,24 @@ class GraphSets:
     # What engines, benchmarks and tests read: the full set's buckets (every set has its decode /
     # verify buckets and chains too).
     def __getattr__(self, name):
-        if name in ("graphs", "chains", "sampled_chains", "heads", "query_lens", "batch_sizes", "prefill_lens",
-                    "max_context", "max_blocks", "block_size", "shape"):
+        if name in ("graphs", "query_lens", "batch_sizes", "prefill_lens", "max_context", "max_blocks",
+                    "block_size", "shape"):
             return getattr(self.sets[-1], name)
         raise AttributeError(name)
+
+    # The full set's chain and head graphs too, as properties: read on every chained step, where
+    # __getattr__ would first fail the ordinary lookup.
+    @property
+    def chains(self) -> dict[int, _Chain]:
+        return self.sets[-1].chains
+
+    @property
+    def sampled_chains(self) -> dict[int, _Chain]:
+        return self.sets[-1].sampled_chains
+
+    @property
+    def heads(self) -> dict[int, torch.cuda.CUDAGraph]:
+        return self.sets[-1].heads
 
     @property
     def replays(self) -> int:
@@ -526,17 +584,19 @@ class GraphSets:
     def num_graphs(self) -> int:
         return sum(s.num_graphs for s in self.sets)
 
-    def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width):
+    def stage(self, ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width,
+              key_only: bool = False):
         for s in self.sets:
-            staged = s.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width)
+            staged = s.stage(ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width,
+                             key_only)
             if staged is not None:
                 return staged
         return None
 
-    def _holder(self, batch: ForwardBatch) -> GraphedForward:
-        """The set whose graph holds the staged batch (stamps are unique across sets); the full
-        set when none does, whose check then says why."""
-        b, q, stamp = batch.graph_key
+    def _holder(self, batch: ForwardBatch | StagedKey) -> GraphedForward:
+        """The set whose graph holds the staged batch or key (stamps are unique across sets); the
+        full set when none does, whose check then says why."""
+        b, q, stamp = batch.graph_key if isinstance(batch, ForwardBatch) else batch[:3]
         for s in self.sets:
             g = s.graphs.get((b, q))
             if g is not None and g.stamp == stamp:
@@ -549,26 +609,31 @@ class GraphSets:
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
         return self._holder(batch).staged_graph(batch)
 
-    def chain(self, batch: ForwardBatch, first_ids, steps: int, sampled: bool = False,
+    def chain(self, batch: ForwardBatch | StagedKey, first_ids, steps: int, sampled: bool = False,
               start: int = 0) -> torch.Tensor:
         return self._holder(batch).chain(batch, first_ids, steps, sampled, start)
 
-    def head_chain(self, batch: ForwardBatch, steps: int) -> torch.Tensor:
+    def head_chain(self, batch: ForwardBatch | StagedKey, steps: int) -> torch.Tensor:
         return self._holder(batch).head_chain(batch, steps)
 
-    def _staging_set(self, n: int, q: int, width: int) -> GraphedForward | None:
-        """The set stage() would pick for n sequences of up to q tokens (tables `width` wide)."""
-        return next((s for s in self.sets if s._bucket(n, q, width) is not None), None)
+    def _staging_set(self, n: int, q: int, width: int) -> tuple[GraphedForward, tuple[int, int]] | None:
+        """The set stage() would pick for n sequences of up to q tokens (tables `width` wide), with
+        the bucket it would stage them on."""
+        for s in self.sets:
+            key = s._bucket(n, q, width)
+            if key is not None:
+                return s, key
+        return None
 
     def can_head(self, n: int, steps: int, width: int) -> bool:
         # The set that stage() would pick for the head's (n, 2) feed must have the head and chain.
-        s = self._staging_set(n, 2, width)
-        return s is not None and s.can_head(n, steps, width)
+        found = self._staging_set(n, 2, width)
+        return found is not None and found[0]._can_head(found[1], steps)
 
     def can_chain(self, n: int, steps: int, width: int, sampled: bool = False) -> bool:
         # The set that stage() would pick for the chain's (n, 1) step must have the chain.
-        s = self._staging_set(n, 1, width)
-        return s is not None and s.can_chain(n, steps, width, sampled)
+        found = self._staging_set(n, 1, width)
+        return found is not None and found[0]._can_chain(found[1], steps, sampled)
 
     def capture_sampled_chains(self, pick_for) -> None:
         # One pick per bucket for all sets: pick_for(b) makes the sampler's staged parameter

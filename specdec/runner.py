@@ -29,6 +29,15 @@ class SeqInput:
                              f"0..{len(self.token_ids)}")
 
 
+class _Feed:
+    """A SeqInput of one token with its logits, for greedy_chain's _host_arrays: the same fields,
+    without the frozen dataclass's construction and checks (a few us a sequence)."""
+    __slots__ = ("seq_id", "token_ids", "num_logits")
+
+    def __init__(self, seq_id: Hashable, token_ids: list[int]):
+        self.seq_id, self.token_ids, self.num_logits = seq_id, token_ids, 1
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64, new tokens of all sequences back to back
@@ -115,12 +124,14 @@ class ModelRunner:
         return self.blocks.num_tokens(seq_id)
 
     # --- forward -----------------------------------------------------------------------------
-    def _host_arrays(self, items: Sequence[SeqInput], ahead: int = 0) -> tuple[list, ...]:
+    def _host_arrays(self, items: Sequence[SeqInput], ahead: int = 0, checked: bool = False) -> tuple[list, ...]:
         """Reserves KV slots for every item's new tokens and `ahead` more per item (all or none;
         a chain's later steps, whose slots the graph finds in the block tables) and returns the
         step's host arrays: ids, positions, slots, query starts, context lengths, block tables
-        (after the reservation) and logit rows, with the query lengths and the widest table."""
-        self._reserve_check(items, ahead)
+        (after the reservation) and logit rows, with the query lengths and the widest table.
+        checked: the caller checked the reservation already (_reserve_need, _check_free)."""
+        if not checked:
+            self._reserve_check(items, ahead)
         ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
         for item in items:
             start = self.blocks.num_tokens(item.seq_id)
@@ -174,15 +185,25 @@ class ModelRunner:
         [steps, len(seq_ids)] argmaxes on the device: what `steps` rounds of prepare, forward and
         argmax would give. sampled: the sampled chain instead (its sampler's parameters and
         uniforms staged by the caller), drawing into its rows start .. start + steps - 1."""
-        if not self.can_chain(seq_ids, steps, sampled):
+        if self.graphs is None or not (self.graphs.sampled_chains if sampled else self.graphs.chains) or not seq_ids:
             raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
         on_device = isinstance(first_ids, torch.Tensor) and first_ids.device == self.device
         if isinstance(first_ids, torch.Tensor) and not on_device:
             first_ids = first_ids.tolist()
         feeds = [0] * len(seq_ids) if on_device else list(first_ids)
-        batch = self.graphs.stage(*self._host_arrays([SeqInput(s, [t]) for s, t in zip(seq_ids, feeds)],
-                                                     ahead=steps - 1))
-        return self.graphs.chain(batch, first_ids if on_device else None, steps, sampled, start)
+        items = [_Feed(s, [t]) for s, t in zip(seq_ids, feeds)]
+        # can_chain's check, on the widest table that the reservation's check finds (the same
+        # width: one pass over the sequences, not two), before anything is reserved.
+        need, width = self._reserve_need(items, steps - 1)
+        if not self.graphs.can_chain(len(items), steps, width, sampled):
+            raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
+        self._check_free(need)
+        arrays = self._host_arrays(items, steps - 1, checked=True)
+        # Inference mode once for the staging copy and the replays (each would enter it itself);
+        # the chain reads only the staged bucket and stamp (StagedKey), not a batch of views.
+        with torch.inference_mode():
+            staged = self.graphs.stage(*arrays, key_only=True)
+            return self.graphs.chain(staged, first_ids if on_device else None, steps, sampled, start)
 
     def can_fed_chain(self, items: Sequence[SeqInput], steps: int) -> bool:
         """Whether fed_chain(items, steps) runs on a head graph and a chain graph."""
@@ -201,9 +222,17 @@ class ModelRunner:
         the chain's inputs on the device, then `steps` - 1 chain replays. One staged copy for the
         whole step; KV slots for all of it reserved here. Returns the [steps, len(items)] argmaxes
         on the device."""
-        if not self.can_fed_chain(items, steps):
-            raise ValueError(f"no head and chain graph for {len(items)} sequences x {steps} steps")
-        return self.graphs.head_chain(self.graphs.stage(*self._host_arrays(items, ahead=steps - 1)), steps)
+        refused = f"no head and chain graph for {len(items)} sequences x {steps} steps"
+        if (self.graphs is None or not self.graphs.heads or not items
+                or max(len(i.token_ids) for i in items) != 2 or any(i.num_logits != 1 for i in items)):
+            raise ValueError(refused)
+        need, width = self._reserve_need(items, steps - 1)   # as in greedy_chain
+        if not self.graphs.can_head(len(items), steps, width):
+            raise ValueError(refused)
+        self._check_free(need)
+        arrays = self._host_arrays(items, steps - 1, checked=True)
+        with torch.inference_mode():   # as in greedy_chain
+            return self.graphs.head_chain(self.graphs.stage(*arrays, key_only=True), steps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor:
@@ -227,8 +256,14 @@ class ModelRunner:
         return self.forward(self.prepare(items, graphs), argmax)
 
     def _reserve_check(self, items: Sequence[SeqInput], ahead: int = 0) -> None:
+        self._check_free(self._reserve_need(items, ahead)[0])
+
+    def _reserve_need(self, items: Sequence[SeqInput], ahead: int = 0) -> tuple[int, int]:
+        """(the KV blocks that reserving every item's tokens and `ahead` more per item takes
+        beyond what the items hold, the widest block table after it); raises for a sequence that
+        is unknown or in items twice."""
         seen = set()
-        need = 0
+        need = width = 0
         for item in items:
             if item.seq_id in seen:
                 raise ValueError(f"sequence {item.seq_id!r} appears twice in one batch")
@@ -236,8 +271,13 @@ class ModelRunner:
             if item.seq_id not in self.blocks:
                 raise KeyError(f"unknown sequence {item.seq_id!r}")
             have = self.blocks.num_tokens(item.seq_id)
-            need += (self.blocks.blocks_needed(have + len(item.token_ids) + ahead)
-                     - len(self.blocks.block_table(item.seq_id)))
+            blocks = self.blocks.blocks_needed(have + len(item.token_ids) + ahead)
+            need += blocks - len(self.blocks.block_table(item.seq_id))
+            if blocks > width:
+                width = blocks
+        return need, width
+
+    def _check_free(self, need: int) -> None:
         if need > self.blocks.num_free:
             raise OutOfBlocks(f"batch needs {need} more KV blocks, {self.blocks.num_free} free "
                               f"of {self.blocks.num_blocks}")

@@ -172,43 +172,71 @@ class PackedBuffer:
         self._cuda = self.buffer.is_cuda
         self.ring = HostRing(len(zeros), pinned=self._cuda)
         self._pads: dict[tuple, bytes] = {}                   # (slot, pad) -> the slot's bytes all pad
+        # Per slot: (byte offset, length, typecode, item size); per host buffer of the ring, each
+        # slot's memory as a typed memoryview (an array of the slot's typecode is written into it
+        # without converting it to bytes first), made when fill first writes that host buffer.
+        self._slots = [(off, n, _TYPECODES[dtype], dtype.itemsize) for off, n, dtype in self.spans]
+        self._typed: list[list[memoryview]] = []
 
     def _pad_bytes(self, slot: int, pad) -> bytes:
         # Keyed by the pad's type and repr, not its value: -0.0 == 0.0 == 0 would share bytes (the
-        # sign of a float pad), and a NaN never equals itself (a new entry per fill).
-        key = (slot, type(pad), repr(pad))
-        if key not in self._pads:
+        # sign of a float pad), and a NaN never equals itself (a new entry per fill). An int (the
+        # type exactly: not a bool) is keyed by its value, which says as much as its repr.
+        key = (slot, pad) if type(pad) is int else (slot, type(pad), repr(pad))
+        cached = self._pads.get(key)
+        if cached is None:
             n, dtype = self.layout[slot]
-            self._pads[key] = array(_TYPECODES[dtype], [pad] * n).tobytes()
-        return self._pads[key]
+            cached = self._pads[key] = array(_TYPECODES[dtype], [pad] * n).tobytes()
+        return cached
 
-    @torch.inference_mode()  # the buffer may be an inference tensor (made during graph capture)
+    def _typed_views(self, turn: int) -> list[memoryview]:
+        while len(self._typed) <= turn:
+            mv = self.ring.bytes[len(self._typed)]
+            self._typed.append([mv[off:off + n * size].cast(code) for off, n, code, size in self._slots])
+        return self._typed[turn]
+
     def fill(self, arrays: Sequence, pads: Sequence | None = None) -> list[torch.Tensor]:
         """Writes each array into its slot in one staged copy; returns the views. Without pads
         every array has exactly its slot's length; with pads, a shorter array (or a Rows) is
-        padded with its slot's pad value (None: exact length required for that slot)."""
-        if len(arrays) != len(self.layout) or (pads is not None and len(pads) != len(arrays)) or any(
-                len(a) > n or (len(a) < n or isinstance(a, Rows)) and (pads is None or pads[i] is None)
-                for i, (a, (n, _)) in enumerate(zip(arrays, self.layout))):
-            raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
-                             f"layout {[n for n, _ in self.layout]}"
-                             + ("" if pads is None else f", pads {list(pads)}"))
+        padded with its slot's pad value (None: exact length required for that slot).
+        The copy runs in inference mode (the buffer may be an inference tensor, made during graph
+        capture), entered here unless the caller is in it already (a chain step enters it once)."""
+        if torch.is_inference_mode_enabled():
+            return self._fill(arrays, pads)
+        with torch.inference_mode():
+            return self._fill(arrays, pads)
+
+    def _fill(self, arrays: Sequence, pads: Sequence | None) -> list[torch.Tensor]:
+        slots = self._slots
+        if len(arrays) != len(slots) or (pads is not None and len(pads) != len(arrays)):
+            self._refuse(arrays, pads)
+        for i, a in enumerate(arrays):
+            k, n = len(a), slots[i][1]
+            if k > n or (k < n or isinstance(a, Rows)) and (pads is None or pads[i] is None):
+                self._refuse(arrays, pads)
         turn = self.ring.take()
         mv = self.ring.bytes[turn]
-        for i, (a, (off, n, dtype)) in enumerate(zip(arrays, self.spans)):
-            code, size = _TYPECODES[dtype], dtype.itemsize
-            if len(a) < n or isinstance(a, Rows):
+        typed = self._typed_views(turn)
+        for i, a in enumerate(arrays):
+            off, n, code, size = slots[i]
+            rows = isinstance(a, Rows)
+            if rows or len(a) < n:
                 mv[off:off + n * size] = self._pad_bytes(i, pads[i])
-            if isinstance(a, Rows):
+            if rows:
+                view, width = typed[i], a.width
                 for r, row in enumerate(a.rows):
-                    if len(row) > a.width:
-                        raise ValueError(f"PackedBuffer.fill: a row of {len(row)} values, width {a.width}")
-                    at = off + r * a.width * size
-                    mv[at:at + len(row) * size] = memoryview(array(code, row)).cast("B")
+                    if len(row) > width:
+                        raise ValueError(f"PackedBuffer.fill: a row of {len(row)} values, width {width}")
+                    view[r * width:r * width + len(row)] = array(code, row)
             elif len(a):
-                mv[off:off + len(a) * size] = memoryview(array(code, a)).cast("B")
+                typed[i][:len(a)] = array(code, a)
         # Pinned: a DMA queued on the stream (after any replay still reading the buffer), no sync.
         self.buffer.copy_(self.ring.hosts[turn], non_blocking=self._cuda)
         if self._cuda:
             self.ring.copied(turn, torch.cuda.Event, current_stream(self.buffer.device))
         return self.views
+
+    def _refuse(self, arrays: Sequence, pads: Sequence | None):
+        raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
+                         f"layout {[n for n, _ in self.layout]}"
+                         + ("" if pads is None else f", pads {list(pads)}"))

@@ -189,10 +189,11 @@ class DraftEngine(ModelEngine):
             seeds = resolve_seeds(sampling)
             first_pos = [plans[i].length for i in active]
             guess = [bool(plans[i].seq.extend) for i in active]
-        items = [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
         fed = None      # [len(items)] device token ids replacing the items' placeholder ids
-        steps: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, tokens, q) per position
+        # (rows, tokens, q) per position; a greedy chain's positions in one entry, tokens [n, len(rows)]
+        steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
         step = 0
+        items = None    # the first forward's, made only when a step needs them (not a whole chain)
         # Every sequence feeds one token (the target's correction) and drafts: the whole step can
         # be one chain, its first forward included (not with a guess: its first draw uses the
         # RESAMPLE uniform, which a sampled chain does not stage).
@@ -203,8 +204,10 @@ class DraftEngine(ModelEngine):
                 if self._chain(plans, [p.feed[0] for p in plans], rows, 0, clock, steps,
                                None if greedy else (sampling, seeds, first_pos)):
                     items = []
-            elif greedy and self._fed_chain(plans, items, rows, clock, steps):
+            elif greedy and self._fed_chain(plans, items := self._feeds(plans), rows, clock, steps):
                 items = []
+        if items is None:
+            items = self._feeds(plans)
         while items:
             with clock.forward():
                 batch = self.runner.prepare(items)
@@ -239,6 +242,11 @@ class DraftEngine(ModelEngine):
         return self._to_host(plans, active, steps)
 
     @staticmethod
+    def _feeds(plans: list[Plan]) -> list[SeqInput]:
+        """The first forward's items: every plan's feed, with a logit row where it drafts."""
+        return [SeqInput(p.seq.seq_id, p.feed, 1 if p.seq.num_draft else 0) for p in plans if p.feed]
+
+    @staticmethod
     def _to_host(plans: list[Plan], active: list[int], steps: list) -> tuple[list[list[int]], list]:
         """The step's drafted tokens and sampled rows, from the device: the tokens and the rows'
         nonzero counts in one copy, then the rows (transport.draft_rows_to_host: sparse rows as
@@ -246,7 +254,13 @@ class DraftEngine(ModelEngine):
         DEVICE_SPARSE_MIN_ROWS sampled rows, every row is copied densely (no counts)."""
         owner: list[int] = []                               # the plan of each drafted token, in order
         qs: list[list[torch.Tensor]] = [[] for _ in plans]
-        for rows_at, _, q in steps:
+        pieces = []
+        for rows_at, t, q in steps:
+            if t.dim() == 2:                                # a greedy chain: positions x rows_at
+                owner += [active[r] for r in rows_at] * len(t)
+                pieces.append(t.reshape(-1))
+                continue
+            pieces.append(t)
             for j, r in enumerate(rows_at):
                 i = active[r]
                 owner.append(i)
@@ -257,8 +271,9 @@ class DraftEngine(ModelEngine):
         device_sparse = (q_all is not None and transport.DRAFT_DEVICE_SPARSE
                          and len(q_all) >= transport.DEVICE_SPARSE_MIN_ROWS)
         counts = transport.nonzero_counts(q_all) if device_sparse else None
-        pieces = [t for _, t, _ in steps] + ([counts] if counts is not None else [])
-        host = torch.cat(pieces).tolist() if pieces else []
+        if counts is not None:
+            pieces.append(counts)
+        host = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).tolist() if pieces else []
         drafted: list[list[int]] = [[] for _ in plans]
         for i, tok in zip(owner, host):
             drafted[i].append(tok)
@@ -301,8 +316,10 @@ class DraftEngine(ModelEngine):
         with clock.forward(n):
             chained = self.runner.greedy_chain(ids, first_ids, n, sampled is not None,
                                                0 if sampled is None else done)   # [n, len(plans)]
-        qs = [None] * n if sampled is None else [self.sampler.q[done + i, :len(ids)] for i in range(n)]
-        steps += [(rows, t, q) for t, q in zip(chained, qs)]
+        if sampled is None:
+            steps.append((rows, chained, None))   # all n positions in one entry (see _to_host)
+        else:
+            steps += [(rows, t, self.sampler.q[done + i, :len(ids)]) for i, t in enumerate(chained)]
         return True
 
     def _fed_chain(self, plans: list[Plan], items: list[SeqInput], rows: list[int], clock, steps: list) -> bool:
@@ -316,13 +333,18 @@ class DraftEngine(ModelEngine):
             return False
         with clock.forward(n):
             chained = self.runner.fed_chain(items, n)   # [n, len(plans)]
-        steps += [(rows, t, None) for t in chained]
+        steps.append((rows, chained, None))
         return True
 
     def _update_profile(self, plans: list[Plan], forwards: list[float]) -> None:
         # Forwards after the first feed exactly one token per sequence: live single-token samples.
-        counts = sorted((p.seq.num_draft for p in plans if p.seq.num_draft), reverse=True)
-        for step, seconds in enumerate(forwards[1:], start=1):
-            batch = sum(1 for k in counts if k > step)
-            if batch:
-                self.profile.update(batch, seconds)
+        # One update_many per run of forwards at the same batch (a uniform step: all of them).
+        counts = [p.seq.num_draft for p in plans if p.seq.num_draft]
+        at = 1
+        while at < len(forwards):
+            batch = sum(1 for k in counts if k > at)
+            if not batch:
+                break   # sequences only drop out: no later forward has a batch either
+            end = min(min(k for k in counts if k > at), len(forwards))   # the first step past it
+            self.profile.update_many(batch, forwards[at:end])
+            at = end
