@@ -79,7 +79,9 @@ class StepDeadlines:
     half after the answer is read: the step's critical path); here a step only registers its
     deadline. The timer is armed for the earliest deadline registered since it last fired; when it
     fires it expires the steps whose deadline it reached and re-arms for the earliest left, so it
-    fires about once per timeout's length while steps keep coming."""
+    fires about once per timeout's length while steps keep coming. As with asyncio.timeout (and
+    Python 3.12's wait_for), an answer that arrives in the loop iteration the deadline fires in is
+    a timeout; Python 3.11's wait_for returned it."""
 
     def __init__(self):
         self._guards: set[_Guard] = set()
@@ -116,7 +118,12 @@ class StepDeadlines:
         self._timer = None
         at = self._timer_at
         left = None
-        for guard in self._guards:
+        for guard in list(self._guards):
+            if guard.task.get_loop() is not self._timer_loop:
+                # A step of an earlier event loop, left pending when it closed: not this timer's
+                # (cancelling its task would raise here and leave the steps after it unguarded).
+                self._guards.discard(guard)
+                continue
             if guard.expired:
                 continue
             if guard.deadline <= at:  # (the loop runs a timer within its clock resolution of `at`)

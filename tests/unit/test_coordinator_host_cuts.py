@@ -332,3 +332,35 @@ def test_running_gauge_is_set_on_change_only_and_ends_at_zero(tmp_path):
     assert [t for t, _ in results] == [plain_greedy(PROMPT, 24), plain_greedy(PROMPT, 9)]
     assert steps >= 4 and value == 0
     assert sets == [2, 1, 0]   # 2 from the first step on, 1 once the short one ended, 0 at the end
+
+
+def test_a_step_left_pending_by_a_closed_loop_does_not_unguard_the_next_loops_steps():
+    """A step whose event loop was closed under it (its task never finished) leaves its deadline
+    behind; on the next loop the timer drops it and still times that loop's step out at its own
+    deadline, with nothing raised in the timer's callback."""
+    deadlines = StepDeadlines()
+
+    async def hang():
+        await asyncio.Event().wait()
+
+    async def start():
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(deadlines.run(hang(), loop, loop.time() + 0.05))
+        await asyncio.sleep(0.01)
+        return task
+
+    old = asyncio.new_event_loop()
+    old.run_until_complete(start())
+    old.close()   # the step's task is left pending (no asyncio.run-style cleanup)
+
+    async def second():
+        loop = asyncio.get_running_loop()
+        errors = []
+        loop.set_exception_handler(lambda lp, ctx: errors.append(ctx.get("exception")))
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(deadlines.run(hang(), loop, t0 + 0.1), 2.0)
+        return loop.time() - t0, errors
+    took, errors = asyncio.run(second())
+    assert took < 1.0 and errors == []
+    deadlines.close()
