@@ -173,16 +173,13 @@ class SpecLoop:
         prompt left without any this step sits the step out. Decode and verify sequences always
         take part."""
         budget = self.config.prefill_chunk
-        batch = len(seqs)
         plans = []
         for seq in seqs:
-            if not seq.prefilling:  # (_plan's decode case, inline: most of a step's plans)
-                plans.append(Plan(seq, list(seq.target_pending), num_draft=self._num_draft(seq, batch)))
+            if seq.prefilling and budget <= 0:
                 continue
-            if budget <= 0:
-                continue
-            plans.append(self._plan(seq, batch, budget))
-            budget -= len(plans[-1].target_new)
+            plans.append(self._plan(seq, len(seqs), budget))
+            if seq.prefilling:
+                budget -= len(plans[-1].target_new)
         return plans
 
     def _num_draft(self, seq: Sequence, batch: int) -> int:
@@ -191,24 +188,19 @@ class SpecLoop:
             # Above --spec-max-batch the step decodes plainly; the draft catches up on the tokens
             # it missed (draft_pending) at the next step that drafts.
             return 0
-        requested = seq.params.num_draft
-        if requested <= 0 and cfg.gamma_policy == "fixed":
-            k = cfg.num_draft  # (what choose_num_draft answers, without its call: every sequence, every step)
-        else:
-            alpha, c = self._policy_inputs
-            k = choose_num_draft(requested=requested, policy=cfg.gamma_policy,
-                                 default=cfg.num_draft, max_gamma=cfg.max_num_draft,
-                                 accepted=seq.accepted, rejections=seq.rejections,
-                                 global_alpha=alpha, c=c)
+        alpha, c = self._policy_inputs
+        k = choose_num_draft(requested=seq.params.num_draft, policy=cfg.gamma_policy,
+                             default=cfg.num_draft, max_gamma=cfg.max_num_draft,
+                             accepted=seq.accepted, rejections=seq.rejections,
+                             global_alpha=alpha, c=c)
         # More drafts than tokens the sequence may still emit are wasted (the target adds one);
         # the draft server must also stay within its own length limit.
         k = min(k, seq.remaining - 1)
         if self.draft_max_len:
             k = min(k, self.draft_max_len - seq.num_tokens)
-        if self.draft_max_num_draft:
-            k = min(k, self.draft_max_num_draft)
-        if self.target_max_num_draft:
-            k = min(k, self.target_max_num_draft)
+        for limit in (self.draft_max_num_draft, self.target_max_num_draft):
+            if limit:
+                k = min(k, limit)
         return max(k, 0)
 
     async def _step(self, seqs: list[Sequence], started: float) -> None:

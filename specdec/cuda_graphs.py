@@ -52,7 +52,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.runner import ForwardBatch
-from specdec.staging import PackedBuffer, Rows
+from specdec.staging import PackedBuffer, Rows, inference
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_MAX = 16  # most steps one chain runs (a draft step's k - 1)
@@ -377,20 +377,14 @@ class GraphedForward(GraphCaptures):
         chains = self.sampled_chains if sampled else self.chains
         return 1 <= steps <= CHAIN_MAX and key is not None and key[1] == 1 and key[0] in chains
 
+    @inference
     def chain(self, batch: ForwardBatch | StagedKey, first_ids: torch.Tensor | None, steps: int,
               sampled: bool = False, start: int = 0) -> torch.Tensor:
         """Runs `steps` single-token steps from a batch (or StagedKey) staged on bucket (b, 1), the
         first fed first_ids (on the device; None: the staged ids), each later one the token picked
         before it; [steps, n] ids: the argmaxes, or with `sampled` the draws of the sampled chain,
         written to rows start .. start + steps - 1 of its token rows. The static inputs move on, so
-        the batch is spent afterwards. In inference mode (entered here unless the caller is in it)."""
-        if torch.is_inference_mode_enabled():
-            return self._run_chain(batch, first_ids, steps, sampled, start)
-        with torch.inference_mode():
-            return self._run_chain(batch, first_ids, steps, sampled, start)
-
-    def _run_chain(self, batch: ForwardBatch | StagedKey, first_ids: torch.Tensor | None, steps: int,
-                   sampled: bool, start: int) -> torch.Tensor:
+        the batch is spent afterwards."""
         g, b, q, n = self._staged(batch)
         c = (self.sampled_chains if sampled else self.chains).get(b)
         if q != 1 or c is None or not 1 <= steps <= CHAIN_MAX or not 0 <= start <= c.tokens.shape[0] - steps:
@@ -414,16 +408,11 @@ class GraphedForward(GraphCaptures):
         return (1 <= steps <= CHAIN_MAX and key is not None and key[1] == 2 and key[0] in self.heads
                 and key[0] in self.chains)
 
+    @inference
     def head_chain(self, batch: ForwardBatch | StagedKey, steps: int) -> torch.Tensor:
         """The head graph of a batch (or StagedKey) staged on bucket (b, 2), then `steps` - 1
         replays of chain b: [steps, n] ids, the argmax of each sequence's last fed token first.
-        Both buckets' static inputs are spent afterwards. In inference mode (as chain)."""
-        if torch.is_inference_mode_enabled():
-            return self._run_head_chain(batch, steps)
-        with torch.inference_mode():
-            return self._run_head_chain(batch, steps)
-
-    def _run_head_chain(self, batch: ForwardBatch | StagedKey, steps: int) -> torch.Tensor:
+        Both buckets' static inputs are spent afterwards."""
         g2, b, q, n = self._staged(batch)
         head = self.heads.get(b)
         if q != 2 or head is None or not 1 <= steps <= CHAIN_MAX:
@@ -467,9 +456,7 @@ class GraphedForward(GraphCaptures):
         """The graph whose static inputs hold `batch` as prepare() staged it (input_ids aside;
         benchmarks replay its .graph directly)."""
         b, q, stamp = batch.graph_key
-        g = self.graphs.get((b, q))
-        if g is None or stamp != g.stamp:
-            raise RuntimeError(_OVERWRITTEN.format(b=b, q=q))
+        g = self._holding(b, q, stamp)
         # A prefill graph gathers its logit rows from the staged segment too (none asked: no check,
         # an empty view has no address of its own).
         gathers = self.shape(b, q).logit_rows is not None and batch.logits_indices.numel()
@@ -487,10 +474,16 @@ class GraphedForward(GraphCaptures):
             b, q, _ = staged.graph_key
             return self.staged_graph(staged), b, q, len(staged.query_lens_host)
         b, q, stamp, n = staged
+        return self._holding(b, q, stamp), b, q, n
+
+    def _holding(self, b: int, q: int, stamp: int) -> _Graph:
+        """Graph (b, q), refused unless its static inputs still hold what was staged under stamp."""
         g = self.graphs.get((b, q))
         if g is None or stamp != g.stamp:
-            raise RuntimeError(_OVERWRITTEN.format(b=b, q=q))
-        return g, b, q, n
+            raise RuntimeError(f"this batch's static inputs (graph {b}x{q}) were overwritten by a later step, "
+                               "or it was staged by another runner: forward a staged batch on its runner "
+                               "before preparing the next one")
+        return g
 
     def _replay_staged(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor:
         g = self.staged_graph(batch)
@@ -517,8 +510,6 @@ class GraphedForward(GraphCaptures):
 
 
 _STAGED_ONLY = ("positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables")
-_OVERWRITTEN = ("this batch's static inputs (graph {b}x{q}) were overwritten by a later step, or it was "
-                "staged by another runner: forward a staged batch on its runner before preparing the next one")
 
 
 class GraphSets:
@@ -609,6 +600,7 @@ class GraphSets:
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
         return self._holder(batch).staged_graph(batch)
 
+    @inference
     def chain(self, batch: ForwardBatch | StagedKey, first_ids, steps: int, sampled: bool = False,
               start: int = 0) -> torch.Tensor:
         return self._holder(batch).chain(batch, first_ids, steps, sampled, start)

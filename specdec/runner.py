@@ -192,13 +192,8 @@ class ModelRunner:
             first_ids = first_ids.tolist()
         feeds = [0] * len(seq_ids) if on_device else list(first_ids)
         items = [_Feed(s, [t]) for s, t in zip(seq_ids, feeds)]
-        # can_chain's check, on the widest table that the reservation's check finds (the same
-        # width: one pass over the sequences, not two), before anything is reserved.
-        need, width = self._reserve_need(items, steps - 1)
-        if not self.graphs.can_chain(len(items), steps, width, sampled):
-            raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
-        self._check_free(need)
-        arrays = self._host_arrays(items, steps - 1, checked=True)
+        arrays = self._chain_arrays(items, steps, lambda width: self.graphs.can_chain(len(items), steps, width, sampled),
+                                    f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
         # Inference mode once for the staging copy and the replays (each would enter it itself);
         # the chain reads only the staged bucket and stamp (StagedKey), not a batch of views.
         with torch.inference_mode():
@@ -226,13 +221,20 @@ class ModelRunner:
         if (self.graphs is None or not self.graphs.heads or not items
                 or max(len(i.token_ids) for i in items) != 2 or any(i.num_logits != 1 for i in items)):
             raise ValueError(refused)
-        need, width = self._reserve_need(items, steps - 1)   # as in greedy_chain
-        if not self.graphs.can_head(len(items), steps, width):
-            raise ValueError(refused)
-        self._check_free(need)
-        arrays = self._host_arrays(items, steps - 1, checked=True)
+        arrays = self._chain_arrays(items, steps, lambda width: self.graphs.can_head(len(items), steps, width),
+                                    refused)
         with torch.inference_mode():   # as in greedy_chain
             return self.graphs.head_chain(self.graphs.stage(*arrays, key_only=True), steps)
+
+    def _chain_arrays(self, items: Sequence[SeqInput], steps: int, fits, refused: str) -> tuple[list, ...]:
+        """A chain's host arrays (_host_arrays with steps - 1 ahead), after its graph check:
+        fits(width) on the widest table the reservation's check finds (one pass over the
+        sequences, not two), ValueError(refused) before anything is reserved, then OutOfBlocks."""
+        need, width = self._reserve_need(items, steps - 1)
+        if not fits(width):
+            raise ValueError(refused)
+        self._check_free(need)
+        return self._host_arrays(items, steps - 1, checked=True)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor:

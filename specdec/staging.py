@@ -12,6 +12,7 @@ Pinning needs CUDA (pin_memory fails on CPU-only machines), so only the CUDA pat
 """
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 
@@ -96,6 +97,18 @@ class Rows:
 
     def __len__(self) -> int:
         return len(self.rows) * self.width
+
+
+def inference(fn):
+    """fn in torch.inference_mode(), entered only where the caller is not in it already (entering
+    costs a few us: a chain step enters it once for its staging copy and replays)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 # Host staging buffers per PackedBuffer (HostRing): most buckets are staged once a step, but a
@@ -195,18 +208,11 @@ class PackedBuffer:
             self._typed.append([mv[off:off + n * size].cast(code) for off, n, code, size in self._slots])
         return self._typed[turn]
 
+    @inference  # the buffer may be an inference tensor (made during graph capture)
     def fill(self, arrays: Sequence, pads: Sequence | None = None) -> list[torch.Tensor]:
         """Writes each array into its slot in one staged copy; returns the views. Without pads
         every array has exactly its slot's length; with pads, a shorter array (or a Rows) is
-        padded with its slot's pad value (None: exact length required for that slot).
-        The copy runs in inference mode (the buffer may be an inference tensor, made during graph
-        capture), entered here unless the caller is in it already (a chain step enters it once)."""
-        if torch.is_inference_mode_enabled():
-            return self._fill(arrays, pads)
-        with torch.inference_mode():
-            return self._fill(arrays, pads)
-
-    def _fill(self, arrays: Sequence, pads: Sequence | None) -> list[torch.Tensor]:
+        padded with its slot's pad value (None: exact length required for that slot)."""
         slots = self._slots
         if len(arrays) != len(slots) or (pads is not None and len(pads) != len(arrays)):
             self._refuse(arrays, pads)

@@ -4,6 +4,7 @@ drafted position)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -340,11 +341,7 @@ class DraftEngine(ModelEngine):
         # Forwards after the first feed exactly one token per sequence: live single-token samples.
         # One update_many per run of forwards at the same batch (a uniform step: all of them).
         counts = [p.seq.num_draft for p in plans if p.seq.num_draft]
-        at = 1
-        while at < len(forwards):
-            batch = sum(1 for k in counts if k > at)
-            if not batch:
-                break   # sequences only drop out: no later forward has a batch either
-            end = min(min(k for k in counts if k > at), len(forwards))   # the first step past it
-            self.profile.update_many(batch, forwards[at:end])
-            at = end
+        batches = [sum(1 for k in counts if k > step) for step in range(1, len(forwards))]
+        for batch, run in itertools.groupby(zip(batches, forwards[1:]), key=lambda pair: pair[0]):
+            if batch:
+                self.profile.update_many(batch, [seconds for _, seconds in run])
