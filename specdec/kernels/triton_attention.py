@@ -314,6 +314,7 @@ SMEM_BUDGET = 200 * 1024   # of the H100/H200's 227 KiB per block: room for Trit
 LONG_KEYS = 2048           # keys per program from which 128-key tiles win (H200 sweep, notes)
 SLOTS_PER_SM = 2           # programs of the default tiles resident per SM (shared memory bound)
 SPLIT_SLACK = 1.1          # take the fewest splits within 10% of the best modelled time
+WIDE_32_ROW_KEYS = 512     # keys per program from which 32-row tiles take 128-key tiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,7 +329,7 @@ def _d_pad(head_dim: int) -> int:
 
 
 def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program: int = 0,
-                elem_size: int = 2, programs: int = 0, num_sms: int = 0) -> dict:
+                elem_size: int = 2, programs: int = 0, num_sms: int = 0, num_splits: int = 1) -> dict:
     """BLOCK_M (query rows = tokens x heads of a KV group), BLOCK_N (keys), warps, stages.
 
     Short queries stream the cache: a program with >= LONG_KEYS keys to read takes 128-key tiles
@@ -339,9 +340,10 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
     Given the grid (programs, num_sms), short streams also mind occupancy (H200 tuning sweep of
     session 7, bench/README.md): where the default tile's SLOTS_PER_SM programs per SM would
     take two waves but four per SM fit in one, 16-row tiles take 32 keys (~53 KB of shared
-    memory: four per SM) and run in one wave (GQA B=64 ctx 512 q=1: 40.1 us against 51.5); and
+    memory: four per SM) and run in one wave (GQA B=64 ctx 512 q=1: 40.1 us against 51.5);
     where every program has an SM to itself and at most 128 keys, one 128-key tile replaces a
-    loop of two (B=1 ctx 512, 4-14% faster)."""
+    loop of two (B=1 ctx 512, 4-14% faster); and unsplit 32-row tiles with at least a program
+    per SM take 128-key tiles (session 23: 10-15% faster at GQA ctx 512 q=8, B=32 and 64)."""
     d_pad = _d_pad(head_dim)
     rows = triton.next_power_of_2(max_query_len * group)
     floor_m = max(16, triton.next_power_of_2(group))   # tl.dot wants M >= 16; one token's heads fit
@@ -361,6 +363,14 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
         elif SLOTS_PER_SM * num_sms < programs <= 4 * num_sms and block_m <= 16:
             # (32-row tiles do not fit four per SM: GQA B=64 ctx 512 q=8 took 64.3 us, not 54.8)
             prefs = [(32, 3)] + prefs
+        elif (block_m == 32 and num_splits == 1 and programs >= num_sms
+              and keys_per_program >= WIDE_32_ROW_KEYS):
+            # Unsplit 32-row tiles (a GQA group of 4 x 5-8 verified tokens), a program per SM or
+            # more: 128-key tiles, one program per SM (H200, session 23, each against the 64-key
+            # plan in the same run, two runs: GQA ctx 512 q=8 at B=32 30.1 / 30.1 -> 27.3 / 27.1
+            # us, at B=64 54.1 / 54.2 -> 47.5 / 47.2). Split tiles lost: B=8 ctx 2048 (4 splits of
+            # 512 keys) 35.7 -> 36.4 / 36.5, B=1 ctx 8192 (30 of 273) 25.5 -> 27.1.
+            prefs = [(128, 3)] + prefs
     for block_n, stages in prefs:
         if (2 * stages * block_n + block_m) * d_pad * elem_size <= SMEM_BUDGET:
             break
@@ -401,7 +411,7 @@ def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_q
         num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len, num_sms)
     tile = {**tile_config(group, max_query_len, head_dim, triton.cdiv(max_context_len, num_splits),
                           elem_size, programs=num_seqs * num_kv_heads * n_qtiles * num_splits,
-                          num_sms=num_sms if num_sms > 1 else 0), **over}
+                          num_sms=num_sms if num_sms > 1 else 0, num_splits=num_splits), **over}
     return (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_warps"], tile["num_stages"], qt, n_qtiles,
             num_splits)
 

@@ -140,6 +140,9 @@ def test_tile_configs_agree(dtype):
             assert rel_error(out, ref) < TOL[dtype], cfg
             ran += 1
     assert ran >= 6
+    # The 32-row, 128-key, 3-stage tile the plan takes for GQA verification (session 23).
+    out = attention(batch, 0.08, config={"BLOCK_M": 32, "BLOCK_N": 128, "num_stages": 3})
+    assert rel_error(out, ref) < TOL[dtype]
     for block_m in (4, 8):            # CUDA-core tiles (no tl.dot), the q=1 GQA tuning candidates
         for merge in ("separate", "inline"):
             cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "num_stages": 2}

@@ -178,7 +178,18 @@ def test_tile_heuristic_minds_occupancy_of_short_streams():
     assert tile_config(4, 1, 128, 512, programs=256, num_sms=132)["BLOCK_N"] == 64   # one wave already
     assert tile_config(4, 1, 128, 512, programs=600, num_sms=132)["BLOCK_N"] == 64   # > 4 per SM
     assert tile_config(4, 1, 128, 4096, programs=512, num_sms=132)["BLOCK_N"] == 128  # long streams
-    assert tile_config(4, 8, 128, 512, programs=512, num_sms=132)["BLOCK_N"] == 64   # 32-row tiles
+    # 32-row tiles (GQA, 8 tokens) with a program per SM or more: 128-key tiles, one per SM.
+    cfg = tile_config(4, 8, 128, 512, programs=512, num_sms=132)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]) == (32, 128, 3)
+    assert (2 * 3 * 128 + 32) * 128 * 2 <= SMEM_BUDGET
+    assert tile_config(4, 8, 128, 512, programs=100, num_sms=132)["BLOCK_N"] == 64  # SMs to spare
+    assert tile_config(4, 8, 128, 273, programs=240, num_sms=132)["BLOCK_N"] == 64  # short keys
+    assert tile_config(4, 8, 128, 512, programs=256, num_sms=132, num_splits=4)["BLOCK_N"] == 64
+    # Through the plan (an H200's 132 SMs): GQA ctx 512 q=8 at B=32 is unsplit, at B=8 ctx 2048 not.
+    assert triton_attention._plan(32, 32, 8, 128, 8, 512, 132, 2, None, ())[:2] == (32, 128)
+    plan = triton_attention._plan(8, 32, 8, 128, 8, 2048, 132, 2, None, ())
+    assert (plan[0], plan[1], plan[-1]) == (32, 64, 4)          # 4 splits: 64-key tiles
+    assert tile_config(4, 8, 128, 512, programs=512, num_sms=132, elem_size=4)["BLOCK_N"] <= 64
     # A split of <= 128 keys with an SM per program: one 128-key tile.
     cfg = tile_config(4, 8, 128, 128, programs=64, num_sms=132)
     assert (cfg["BLOCK_N"], cfg["num_stages"]) == (128, 2)
