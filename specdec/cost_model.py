@@ -99,18 +99,14 @@ class CostProfile:
     def update(self, batch_size: int, query_len: int, seconds: float) -> float:
         """A live forward: EMA into the entry (the first sample initialises it), the sample clamped
         to within LIVE_SAMPLE_CLAMP of the entry."""
-        if seconds < 0:
-            raise ValueError(f"seconds must be non-negative, got {seconds}")
-        return self._store(batch_size, query_len, float(seconds), replace=False)
+        return self.update_many(batch_size, query_len, (seconds,))
 
     def update_many(self, batch_size: int, query_len: int, samples: Sequence[float],
                     each: Callable[[float], None] | None = None) -> float | None:
         """update() of each sample in turn, at one batch size: the same entries and listener calls
         (each(sample) after each sample's), the bucket looked up once. The last value (None: no
         samples)."""
-        if query_len < 1:
-            raise ValueError(f"query_len must be positive, got {query_len}")
-        key = (bucket_for(batch_size, self.buckets), query_len)
+        key = self._key(batch_size, query_len)
         value = None
         for seconds in samples:
             if seconds < 0:
@@ -120,10 +116,13 @@ class CostProfile:
                 each(seconds)
         return value
 
-    def _store(self, batch_size: int, query_len: int, seconds: float, replace: bool) -> float:
+    def _key(self, batch_size: int, query_len: int) -> tuple[int, int]:
         if query_len < 1:
             raise ValueError(f"query_len must be positive, got {query_len}")
-        return self._store_at((bucket_for(batch_size, self.buckets), query_len), seconds, replace)
+        return bucket_for(batch_size, self.buckets), query_len
+
+    def _store(self, batch_size: int, query_len: int, seconds: float, replace: bool) -> float:
+        return self._store_at(self._key(batch_size, query_len), seconds, replace)
 
     def _store_at(self, key: tuple[int, int], seconds: float, replace: bool) -> float:
         with self._lock:

@@ -3,7 +3,7 @@ t(b, 1 token) that the cost coefficient c is defined on)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -69,12 +69,10 @@ class DecodeProfile:
         self.costs.set_profiled(batch_size, 1, [seconds])
 
     def update(self, batch_size: int, seconds: float) -> None:
-        self.costs.update(batch_size, 1, seconds)
-        for listener in self.on_sample:
-            listener(batch_size, seconds)
+        self.update_many(batch_size, (seconds,))
 
-    def update_many(self, batch_size: int, samples: list[float]) -> None:
-        """update() of each sample in turn (a chain's forwards): the same entries and calls."""
+    def update_many(self, batch_size: int, samples: Sequence[float]) -> None:
+        """Each sample in turn (a chain's forwards): into the profile, then to the listeners."""
         def sampled(seconds: float) -> None:
             for listener in self.on_sample:
                 listener(batch_size, seconds)

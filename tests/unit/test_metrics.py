@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.cost_model import (CostProfile, ServerTiming, SpecStats, alpha_estimate, bucket_for,
                                 expected_speedup)
+from specdec.engine.timing import DecodeProfile
 from specdec.metrics import (COORDINATOR_METRICS, SERVER_METRICS, CoordinatorMetrics, ServerMetrics,
                              all_metric_specs, exposed_series_names, histogram_mean, sample_value,
                              start_metrics_server)
@@ -115,6 +116,27 @@ def test_cost_profile_warmup_median_then_ema():
     p.update(1, 5, 0.030)
     assert p.table() == {(4, 1): pytest.approx(0.016), (1, 5): pytest.approx(0.0375)}
     assert seen[-1] == (1, 5, pytest.approx(0.0375))
+
+
+def test_cost_profile_update_refuses_bad_samples_and_keeps_the_table():
+    p = CostProfile(buckets=(1, 2, 4))
+    p.update(2, 1, 0.010)
+    for bad in ((2, 1, -0.001), (2, 0, 0.010)):
+        with pytest.raises(ValueError):
+            p.update(*bad)
+    assert p.table() == {(2, 1): pytest.approx(0.010)}
+
+
+def test_decode_profile_update_stores_before_it_tells_the_listeners():
+    costs = CostProfile(buckets=(1, 2, 4), ema_weight=0.5)
+    profile = DecodeProfile(costs)
+    calls = []
+    costs.subscribe(lambda b, q, sec: calls.append(("entry", b, q, sec)))
+    profile.on_sample.append(lambda b, sec: calls.append(("sample", b, sec, profile(b))))
+    profile.update(3, 0.010)
+    profile.update(3, 0.020)
+    assert calls == [("entry", 4, 1, pytest.approx(0.010)), ("sample", 3, 0.010, pytest.approx(0.010)),
+                     ("entry", 4, 1, pytest.approx(0.015)), ("sample", 3, 0.020, pytest.approx(0.015))]
 
 
 def test_cost_profile_profile_times_each_bucket():
