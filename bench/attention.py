@@ -268,7 +268,7 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
 def tune_candidates(plan: dict, rows: int):
     """(config, splits, merge), most informative first: the plan's tile at other split counts with
     either merge, then CUDA-core tiles when a tile holds <= 8 rows (q=1 GQA: 16-row MMA tiles are
-    75% padding), the other tiles at the plan's split count and at one split, then the rest. Splits
+    75% padding), the other tiles at the plan's split count, half of it and one split, then the rest. Splits
     are a runtime argument (no compile); every new tile costs a compile, so the deadline cuts from
     the end. rows: query rows of a tile (query len x group)."""
     s0 = plan["num_splits"]
@@ -290,7 +290,7 @@ def tune_candidates(plan: dict, rows: int):
         small = []
     order = ([(own, splits, "separate"), (own, [s for s in splits if s > 1], "inline")]
              + [(t, [s0, 1], m) for t in small for m in ("separate", "inline")]
-             + [(t, [s0, 1], "separate") for t in tiles[1:]]
+             + [(t, [s0, max(1, s0 // 2), 1], "separate") for t in tiles[1:]]
              + [(t, [s0], "inline") for t in tiles[1:]]
              + [(t, splits, "separate") for t in tiles[1:]])
     seen = set()
