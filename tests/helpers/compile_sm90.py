@@ -102,8 +102,9 @@ PTX_COUNTS = {"cp.async": r"cp\.async\.c[ag]\.", "ld.global": r"ld\.global", "ld
 
 
 def ptx_counts(substring: str) -> int:
-    """Instruction counts of the PTX of every variant whose name contains `substring`, and ptxas's
-    register / spill report: a first look at what a kernel change does to the code, without a GPU."""
+    """Instruction counts of the PTX of every variant whose name contains `substring`, ptxas's
+    register / spill report and the shared memory a program takes (what bounds the programs per
+    SM): a first look at what a kernel change does to the code, without a GPU."""
     import re
     import subprocess
     import tempfile
@@ -112,7 +113,8 @@ def ptx_counts(substring: str) -> int:
     for name, fn, types, c, warps, stages in variants():
         if substring not in name:
             continue
-        ptx = compile_kernel(fn, types, c, warps, stages).asm["ptx"]
+        kernel = compile_kernel(fn, types, c, warps, stages)
+        ptx = kernel.asm["ptx"]
         counts = " ".join(f"{k}={len(re.findall(v, ptx))}" for k, v in PTX_COUNTS.items())
         with tempfile.TemporaryDirectory() as d:
             Path(d, "k.ptx").write_text(ptx)
@@ -120,7 +122,8 @@ def ptx_counts(substring: str) -> int:
                                   str(Path(d, "k.cubin"))], capture_output=True, text=True)
         regs = re.findall(r"Used (\d+) registers", run.stderr)
         spills = re.findall(r"(\d+) bytes spill stores", run.stderr)
-        print(f"{name}: registers={regs[0] if regs else '?'} spill_stores={spills[0] if spills else '?'} {counts}")
+        print(f"{name}: registers={regs[0] if regs else '?'} spill_stores={spills[0] if spills else '?'} "
+              f"shared_bytes={kernel.metadata.shared} {counts}")
     return 0
 
 
