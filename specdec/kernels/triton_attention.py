@@ -366,7 +366,9 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
         elif (block_m == 32 and num_splits == 1 and programs >= num_sms
               and keys_per_program >= WIDE_32_ROW_KEYS):
             # Unsplit 32-row tiles (a GQA group of 4 x 5-8 verified tokens), a program per SM or
-            # more: 128-key tiles, one program per SM (H200, session 23, each against the 64-key
+            # more: 128-key tiles, half the loop trips and page-table reads at the same two
+            # programs per SM (compiled for sm_90: 80 KB of shared memory and 217 registers against
+            # 76 KB and 151 for 64 keys) (H200, session 23, each against the 64-key
             # plan in the same run, two runs: GQA ctx 512 q=8 at B=32 30.1 / 30.1 -> 27.3 / 27.1
             # us, at B=64 54.1 / 54.2 -> 47.5 / 47.2). Split tiles lost: B=8 ctx 2048 (4 splits of
             # 512 keys) 35.7 -> 36.4 / 36.5, B=1 ctx 8192 (30 of 273) 25.5 -> 27.1.

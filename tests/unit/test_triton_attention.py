@@ -178,7 +178,7 @@ def test_tile_heuristic_minds_occupancy_of_short_streams():
     assert tile_config(4, 1, 128, 512, programs=256, num_sms=132)["BLOCK_N"] == 64   # one wave already
     assert tile_config(4, 1, 128, 512, programs=600, num_sms=132)["BLOCK_N"] == 64   # > 4 per SM
     assert tile_config(4, 1, 128, 4096, programs=512, num_sms=132)["BLOCK_N"] == 128  # long streams
-    # 32-row tiles (GQA, 8 tokens) with a program per SM or more: 128-key tiles, one per SM.
+    # Unsplit 32-row tiles (GQA, 8 tokens) with a program per SM or more: 128-key tiles.
     cfg = tile_config(4, 8, 128, 512, programs=512, num_sms=132)
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]) == (32, 128, 3)
     assert (2 * 3 * 128 + 32) * 128 * 2 <= SMEM_BUDGET
