@@ -600,7 +600,6 @@ class GraphSets:
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
         return self._holder(batch).staged_graph(batch)
 
-    @inference
     def chain(self, batch: ForwardBatch | StagedKey, first_ids, steps: int, sampled: bool = False,
               start: int = 0) -> torch.Tensor:
         return self._holder(batch).chain(batch, first_ids, steps, sampled, start)

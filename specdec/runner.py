@@ -185,15 +185,16 @@ class ModelRunner:
         [steps, len(seq_ids)] argmaxes on the device: what `steps` rounds of prepare, forward and
         argmax would give. sampled: the sampled chain instead (its sampler's parameters and
         uniforms staged by the caller), drawing into its rows start .. start + steps - 1."""
+        refused = f"no chain graph for {len(seq_ids)} sequences x {steps} steps"
         if self.graphs is None or not (self.graphs.sampled_chains if sampled else self.graphs.chains) or not seq_ids:
-            raise ValueError(f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
+            raise ValueError(refused)
         on_device = isinstance(first_ids, torch.Tensor) and first_ids.device == self.device
         if isinstance(first_ids, torch.Tensor) and not on_device:
             first_ids = first_ids.tolist()
         feeds = [0] * len(seq_ids) if on_device else list(first_ids)
         items = [_Feed(s, [t]) for s, t in zip(seq_ids, feeds)]
         arrays = self._chain_arrays(items, steps, lambda width: self.graphs.can_chain(len(items), steps, width, sampled),
-                                    f"no chain graph for {len(seq_ids)} sequences x {steps} steps")
+                                    refused)
         # Inference mode once for the staging copy and the replays (each would enter it itself);
         # the chain reads only the staged bucket and stamp (StagedKey), not a batch of views.
         with torch.inference_mode():
