@@ -214,7 +214,15 @@ def test_silu_mul_epilogue_gives_the_bits_of_gate_up_then_silu_mul(device, dtype
     cfg = GemvConfig(base.block_m, block_n, 32, split_k=split)
     fused = gemv(x, w, b, cfg, epilogue="silu_mul")
     assert fused.shape == (m, inter)
-    assert torch.equal(fused, silu_mul(gemv(x, w, b, cfg)))
+    if device == "cpu" and m > 1 and dtype == torch.float32:
+        # The interpreter's fp32 tl.dot is numpy's matmul, whose bits on some CPUs depend on where a
+        # column sits in the product (OpenBLAS's AVX-512 sgemm: permuting W's rows changed 150 of
+        # 512 products of a [16, 32] x [32, 32] tile), and the SiLU tile holds the gate and up rows
+        # where the plain tile holds neighbouring rows. So there: the same values (the GPU, and
+        # every bf16 or one-row case, still checks bits).
+        torch.testing.assert_close(fused, silu_mul(gemv(x, w, b, cfg)), rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(fused, silu_mul(gemv(x, w, b, cfg)))
     with pytest.raises(ValueError, match="odd"):
         gemv(x, w[:-1], epilogue="silu_mul")
 
