@@ -98,23 +98,24 @@ def variant_arg(spec: str) -> str:
 
 
 def graphed_decode(model, batch: int, context: int = 128, block: int = 16, max_model_len: int = 0,
-                   context_lens: tuple[int, ...] = ()):
-    """(runner, staged batch): `batch` sequences of `context` tokens prefilled, a (batch, 1) CUDA
-    graph captured for sequences of up to max_model_len tokens (default context + 64; a server's
+                   context_lens: tuple[int, ...] = (), query_len: int = 1):
+    """(runner, staged batch): `batch` sequences of `context` tokens prefilled, a (batch, query_len)
+    CUDA graph captured for sequences of up to max_model_len tokens (default context + 64; a server's
     is its --max-model-len, which sets the attention's KV splits; context_lens: its
-    --graph-context-lens), and one decode step staged into it; runner.forward(staged) or
+    --graph-context-lens), and one step staged into it: a decode step, or with query_len > 1 a
+    verification of query_len tokens a sequence (logits for each); runner.forward(staged) or
     runner.graphs.staged_graph(staged).graph.replay() then replays that step (cost_coefficient.py,
     timeline.py)."""
     from specdec.config import CacheConfig
     from specdec.runner import ModelRunner, SeqInput
-    blocks_per_seq = -(-(context + 8) // block)
+    blocks_per_seq = -(-(context + query_len + 8) // block)
     runner = ModelRunner(model, CacheConfig(batch * blocks_per_seq + 1, block, torch.bfloat16))
-    runner.enable_cuda_graphs(max_model_len=max_model_len or context + 64, query_lens=(1,), batch_sizes=(batch,),
-                              context_lens=context_lens)
+    runner.enable_cuda_graphs(max_model_len=max_model_len or context + 64, query_lens=(query_len,),
+                              batch_sizes=(batch,), context_lens=context_lens)
     for s in range(batch):
         runner.add_sequence(s)
     runner.step([SeqInput(s, list(range(1, context))) for s in range(batch)])
-    return runner, runner.prepare([SeqInput(s, [7]) for s in range(batch)])
+    return runner, runner.prepare([SeqInput(s, [7] * query_len, query_len) for s in range(batch)])
 
 
 def hf_config(shape: str, max_position: int = 4096) -> dict:

@@ -2,7 +2,10 @@
 (b, 1) bucket traced by torch.profiler (CUPTI), for each model shape.
 
     python3 bench/timeline.py [--shapes llama-7b llama-160m tinyllama-1.1b] [--batches 1] [--replays 7]
-                              [--kernel-sets default no_norm]
+                              [--kernel-sets default no_norm] [--query-lens 1 5]
+
+--query-lens traces the (b, q) buckets too: a verification of q - 1 drafts (q tokens a sequence,
+logits for each), so a verify forward can be set beside the decode forward kernel by kernel.
 
 With programmatic dependent launch a kernel starts while its predecessor still runs (it waits in
 griddepcontrol.wait), so a kernel's own duration overlaps the one before it. This charges each
@@ -101,26 +104,28 @@ def weight_bytes(shape: str) -> dict[str, int]:
             "gemv down": 2 * inter * h, "post gemv": 2 * h * s["vocab_size"]}
 
 
-def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max_model_len: int = 0) -> list[dict]:
-    """ksets: kernel sets, each optionally with a server's graph bounds (common.graph_variant:
-    "default@4096+256"); max_model_len is the bound of those without."""
-    """One result per kernel set, all on the same weights."""
+def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max_model_len: int = 0,
+            query_lens: tuple[int, ...] = (1,)) -> list[dict]:
+    """One result per kernel set and query length, all on the same weights. ksets: kernel sets,
+    each optionally with a server's graph bounds (common.graph_variant: "default@4096+256");
+    max_model_len is the bound of those without."""
     cfg = model_config(shape)
     model = init_random(build_model(cfg, torch.bfloat16, "cuda"))
     results = []
     for spec in ksets:
         kset, mml, context_lens = graph_variant(spec)
-        with kernel_set(model, kset):
-            results.append({**_measure(model, cfg, shape, b, replays, bw, mml or max_model_len, context_lens),
-                            "kernel_set": spec})
+        for q in query_lens:
+            with kernel_set(model, kset):
+                results.append({**_measure(model, cfg, shape, b, replays, bw, mml or max_model_len, context_lens, q),
+                                "kernel_set": spec})
     del model
     torch.cuda.empty_cache()
     return results
 
 
 def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_len: int,
-             context_lens: tuple[int, ...] = ()) -> dict:
-    runner, staged = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len, context_lens)
+             context_lens: tuple[int, ...] = (), query_len: int = 1) -> dict:
+    runner, staged = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len, context_lens, query_len)
     graph = runner.graphs.staged_graph(staged).graph
     for _ in range(20):
         graph.replay()
@@ -149,14 +154,14 @@ def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_
             g["frac_of_floor"] = g["floor_us_each"] / g["marginal_us_each"]
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del runner
-    return {"shape": shape, "batch": b, "context": CONTEXT, "max_model_len": max_model_len or CONTEXT + 64,
+    return {"shape": shape, "batch": b, "query_len": query_len, "context": CONTEXT, "max_model_len": max_model_len or CONTEXT + 64,
             "context_lens": list(context_lens),
             "kernels": n, "span_us": span,
             "weight_floor_us": total_bytes / bw * 1e6, "groups": list(groups.values())}
 
 
 def _print(r: dict) -> None:
-    print(f"\n{r['shape']} b {r['batch']} [{r['kernel_set']}] max_model_len {r['max_model_len']}: "
+    print(f"\n{r['shape']} b {r['batch']} q {r.get('query_len', 1)} [{r['kernel_set']}] max_model_len {r['max_model_len']}: "
           f"{r['kernels']} kernels, replay span "
           f"{r['span_us']:.1f} us, weight floor {r['weight_floor_us']:.1f} us "
           f"({r['weight_floor_us'] / r['span_us']:.0%})")
@@ -177,12 +182,15 @@ def main() -> int:
                          "default@4096+256: --max-model-len 4096, without and with --graph-context-lens 256)")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the graph bucket's longest sequence (a server's --max-model-len; default context + 64)")
+    ap.add_argument("--query-lens", type=int, nargs="+", default=[1],
+                    help="tokens a sequence per traced forward: 1 decode, q > 1 a verification of q - 1 drafts")
     args = ap.parse_args()
     bw = copy_bandwidth()
     results = []
     for shape in args.shapes:
         for b in args.batches:
-            for r in measure(shape, b, args.replays, bw, args.kernel_sets, args.max_model_len):
+            for r in measure(shape, b, args.replays, bw, args.kernel_sets, args.max_model_len,
+                             tuple(args.query_lens)):
                 results.append(r)
                 _print(r)
     write_result("timeline", {"benchmark": "timeline", "environment": environment(),

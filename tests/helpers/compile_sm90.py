@@ -6,6 +6,7 @@ if this machine cannot compile for sm_90 at all (no ptxas in the Triton install)
 `--counts "gemv M16"` prints PTX instruction counts and registers of the matching variants instead."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import sys
@@ -32,6 +33,10 @@ def compile_kernel(fn, types: dict[str, str], constexprs: dict, warps: int, stag
     divisible by 16 (Triton's tt.divisibility), which is what selects vectorized and cp.async loads
     (without it a GEMV tile loads 2 bytes at a time and compiles to other code). So these compiles
     take the same for every pointer, every stride_* and the names in DIVISIBLE."""
+    # constexpr parameters left out take their defaults, as a launch would (else they'd be i32 arguments)
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty},
+                  **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride") or n in DIVISIBLE)}
