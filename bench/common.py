@@ -38,9 +38,14 @@ KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True, norm=True),
     "silu_gemv": dict(fused=True, gemv=True, pdl=True, norm=True, silu=True),  # SiLU * up in the gate_up GEMV
     "no_norm": dict(fused=True, gemv=True, pdl=True),  # add + RMSNorm as kernels of their own
-    # the norm fusion at steps of up to 16 tokens too (GemvOps.norm_max_m; the default fuses 1-token
-    # steps only, since the tl.dot consumer lost at b 8 before its norm weight was loaded ahead)
+    # the norm fusion at steps of up to 16 tokens at every width (GemvOps.norm_max_m; the default
+    # takes 2..16-token steps only on residual streams of at most gemv.NARROW_NORM_N)
     "norm_m16": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=16),
+    # the norm fusion with the consumer multiplying x by the norm weight on its K steps instead of
+    # the producer writing the weighted stream (GemvOps.norm_ahead); m1: at 1-token steps only,
+    # whatever the width (both: the default before session 24)
+    "norm_late": dict(fused=True, gemv=True, pdl=True, norm=True, norm_ahead=False),
+    "norm_m1_late": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=1, norm_ahead=False),
     # split-K GEMVs (the small drafts' o / down projections, the 7B's down at 2..16 rows) summed by
     # a second kernel instead of each tile's last program (gemv.SPLIT_REDUCE_MODES)
     "splitk_separate": dict(fused=True, gemv=True, pdl=True, norm=True, split_reduce="separate"),
@@ -65,6 +70,8 @@ def kernel_set(model, name: str):
     model.set_gemv_norm(chosen.get("norm", False))
     if "norm_max_m" in chosen and hasattr(model.ops, "norm_max_m"):
         model.ops.norm_max_m = chosen["norm_max_m"]
+    if "norm_ahead" in chosen and hasattr(model.ops, "norm_ahead"):
+        model.ops.norm_ahead = chosen["norm_ahead"]
     reduce = chosen.get("split_reduce", "inline")
     if reduce == "inline" and torch.cuda.is_available():
         gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture

@@ -80,13 +80,18 @@ def _norm_scale(first, SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_P: tl.const
 
 
 @triton.jit
-def _residual_out(acc, res, Y, SS, part, M, offs_m, offs_n, m_ok, n_ok, stride_ym):
+def _residual_out(acc, res, Y, SS, part, M, offs_m, offs_n, m_ok, n_ok, stride_ym, RW, nw,
+                  RES_WEIGHTED: tl.constexpr):
     """The producer's epilogue: r = residual `res` (loaded before the K loop) + y rounded to the dtype
     (torch's `residual + x`), stored as the new residual stream, and this program's sum of r^2 per row
-    into SS[part, m]."""
+    into SS[part, m]. RES_WEIGHTED: also r * the next norm's weight `nw` (this tile's columns) into
+    RW, rounded as the consumer's _weighted would round it, so the consumer reads it as it is."""
     mask = m_ok[:, None] & n_ok[None, :]
     r = (acc.to(Y.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], r, mask=mask)
+    if RES_WEIGHTED:
+        tl.store(RW + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+                 _weighted(r, nw[None, :], Y.dtype.element_ty), mask=mask)
     rf = tl.where(mask, r.to(tl.float32), 0.0)
     tl.store(SS + part * M + offs_m, tl.sum(rf * rf, axis=1), mask=m_ok)
 
@@ -99,13 +104,14 @@ def _weighted(x, nw, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, RW, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  stride_r, num_parts, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
                  RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
-                 INLINE_REDUCE: tl.constexpr = False, M_TILES: tl.constexpr = 1):
+                 INLINE_REDUCE: tl.constexpr = False, M_TILES: tl.constexpr = 1,
+                 RES_WEIGHTED: tl.constexpr = False, NORM_W: tl.constexpr = True):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
     rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
     RES_OUT (no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS (split over
@@ -113,7 +119,10 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
     INLINE_REDUCE (split over K): the last of an N tile's programs to arrive, counted in CNT, sums
     the tile's partials and runs the epilogue, instead of a second kernel.
     NORM_IN: x is the residual stream of such a producer and the product is RMSNorm(x) @ W^T:
-    (x * NW) @ W^T scaled by 1 / RMS, the RMS from SS (its num_parts partial sums) and eps.
+    (x * NW) @ W^T scaled by 1 / RMS, the RMS from SS (its num_parts partial sums) and eps; without
+    NORM_W x is already x * NW (a RES_WEIGHTED producer's RW) and only the scale is left.
+    RES_WEIGHTED (RES_OUT): the producer also stores the new stream times the next norm's weight NW
+    into RW: the consumer's product without a multiply on its K steps.
     Both load what their epilogue needs (the residual tile; the partial sums) before the K loop, so
     that load's latency hides behind the weight stream instead of following it.
     M_TILES: M > BLOCK_M rows in M_TILES tiles of BLOCK_M, each its own program over the same W
@@ -143,6 +152,9 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
     if NORM_IN:
         sums = _partial_sums(SS, M, num_parts, 0, offs_m, m_ok, BLOCK_P)    # [BLOCK_M, BLOCK_P]
     res = 0.0   # (the residual tile: RES_OUT only)
+    nwt = 0.0   # (the next norm's weight on this tile's columns: RES_WEIGHTED only)
+    if RES_WEIGHTED:
+        nwt = tl.load(NW + offs_n, mask=n_ok, other=0.0)
     if RES_OUT and SPLIT == 1:
         res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :],
                       mask=m_ok[:, None] & n_ok[None, :], other=0.0)
@@ -153,19 +165,19 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(X + offs_k)
-                if NORM_IN:
+                if NORM_IN and NORM_W:
                     x = _weighted(x, tl.load(NW + offs_k), X.dtype.element_ty)
             else:  # splits are whole BLOCK_Ks: only K's own end needs a mask (K % 16 keeps 16 B loads)
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(X + offs_k, mask=k_ok, other=0.0)
-                if NORM_IN:
+                if NORM_IN and NORM_W:
                     x = _weighted(x, tl.load(NW + offs_k, mask=k_ok, other=0.0), X.dtype.element_ty)
             part += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(part, axis=1)[None, :]                                  # [1, BLOCK_N]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if NORM_IN:
+        if NORM_IN and NORM_W:
             # The norm weight of each K step is loaded one step ahead. Loaded inside its step, it
             # is the one load the pipeliner does not stream (x and W come by cp.async): sm_90 PTX
             # had a 2-byte global load, a shared-memory store and a barrier on every step's path
@@ -175,7 +187,7 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
             nw_next = tl.load(NW + k_start + offs_b, mask=k_start + offs_b < K, other=0.0)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            if NORM_IN:
+            if NORM_IN and NORM_W:
                 nw = nw_next
                 nw_next = tl.load(NW + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             if EVEN_K:
@@ -185,7 +197,7 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
                 k_ok = offs_k < K
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM_IN:
+            if NORM_IN and NORM_W:
                 x = _weighted(x, nw[None, :], X.dtype.element_ty)
             if UPCAST:  # fp32 weights (exact products, not tf32), or the interpreter (no bf16 matmul)
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -216,16 +228,16 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, M, N, K, k_per_split, stride_xm
                 tile_res = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + offs_n[None, :], mask=out_mask,
                                    other=0.0) if RES_OUT else res
                 _epilogue(total, tile_res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_ym,
-                          BLOCK_M, BLOCK_N, HAS_BIAS, GLU, RES_OUT)
+                          BLOCK_M, BLOCK_N, HAS_BIAS, GLU, RES_OUT, RW, nwt, RES_WEIGHTED)
     else:
         _epilogue(acc, res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_ym,
-                  BLOCK_M, BLOCK_N, HAS_BIAS, GLU, RES_OUT)
+                  BLOCK_M, BLOCK_N, HAS_BIAS, GLU, RES_OUT, RW, nwt, RES_WEIGHTED)
 
 
 @triton.jit
 def _epilogue(acc, res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, stride_ym,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-              RES_OUT: tl.constexpr):
+              RES_OUT: tl.constexpr, RW, nwt, RES_WEIGHTED: tl.constexpr):
     """A tile's output from its fp32 sums: the bias, then SiLU(gate) * up (GLU), the residual add
     and the tile's sums of squares (RES_OUT), or the product rounded to the dtype."""
     if HAS_BIAS:
@@ -237,22 +249,25 @@ def _epilogue(acc, res, B, Y, SS, pid_n, M, N, offs_m, offs_n, m_ok, n_ok, strid
         y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
         tl.store(y, _silu_mul_rounded(gate, up, Y.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
     elif RES_OUT:
-        _residual_out(acc, res, Y, SS, pid_n, M, offs_m, offs_n, m_ok, n_ok, stride_ym)
+        _residual_out(acc, res, Y, SS, pid_n, M, offs_m, offs_n, m_ok, n_ok, stride_ym, RW, nwt, RES_WEIGHTED)
     else:
         y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _splitk_reduce_kernel(WS, B, Y, R, SS, M, N, stride_ym, stride_r, SPLIT: tl.constexpr,
+def _splitk_reduce_kernel(WS, B, Y, R, SS, NW, RW, M, N, stride_ym, stride_r, SPLIT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                          GLU: tl.constexpr, RES_OUT: tl.constexpr = False):
+                          GLU: tl.constexpr, RES_OUT: tl.constexpr = False, RES_WEIGHTED: tl.constexpr = False):
     pdl.enter(USE_PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
+    nwt = 0.0
     if RES_OUT:   # loaded first: its latency hides behind the partials' loads
         res = tl.load(R + m.to(tl.int64) * stride_r + offs, mask=ok, other=0.0)[None, :]
+        if RES_WEIGHTED:
+            nwt = tl.load(NW + offs, mask=ok, other=0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     n_ws = 2 * N if GLU else N
     for s in tl.static_range(SPLIT):  # fixed order: deterministic
@@ -269,7 +284,8 @@ def _splitk_reduce_kernel(WS, B, Y, R, SS, M, N, stride_ym, stride_r, SPLIT: tl.
         tl.store(Y + m.to(tl.int64) * stride_ym + offs, out, mask=ok)
     elif RES_OUT:
         rows = m + tl.arange(0, 1)
-        _residual_out(acc[None, :], res, Y, SS, tl.program_id(1), M, rows, offs, rows < M, ok, stride_ym)
+        _residual_out(acc[None, :], res, Y, SS, tl.program_id(1), M, rows, offs, rows < M, ok, stride_ym,
+                      RW, nwt, RES_WEIGHTED)
     else:
         tl.store(Y + m.to(tl.int64) * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
@@ -376,7 +392,8 @@ def split_layout(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, epilogue: str | None = None, *,
-         residual: torch.Tensor | None = None, norm: "NormInput | None" = None):
+         residual: torch.Tensor | None = None, norm: "NormInput | None" = None,
+         norm_weight: torch.Tensor | None = None):
     """x: [M, K] with M <= 64, weight: [N, K] (K contiguous), bias: [N] or None -> [M, N] in x's
     dtype. epilogue="silu_mul": weight is [2I, K] (gate rows, then up rows) and the result is
     SiLU(gate) * up, [M, I], with the bits of the plain result followed by fused.silu_mul. Always
@@ -388,7 +405,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     norm=NormInput(sums, weight, eps): x is such a residual stream and the product is
     RMSNorm(x) @ W^T taken as ((x * weight) rounded to the dtype) @ W^T times 1 / RMS (fp32, RMS from
     the partial sums): RMSNorm's value, not its bits (it rounds x / RMS before the weight multiply).
-    The factor comes after the sum, so no load of the sums waits in front of the weight stream."""
+    The factor comes after the sum, so no load of the sums waits in front of the weight stream.
+    norm_weight [N] (with residual): the producer also returns (residual + y) * norm_weight, rounded
+    to the dtype as the consumer rounds x * weight: (r, sums, rw). A consumer given rw as x and
+    NormInput(sums, None, eps) skips the multiply on its K steps and gives the same bits."""
     if epilogue not in (None, "silu_mul"):
         raise ValueError(f"gemv: epilogue {epilogue!r} is not None or 'silu_mul'")
     glu = epilogue == "silu_mul"
@@ -399,6 +419,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"[{m}, {rows}] {x.dtype} (no epilogue, K > 0)")
     if residual is not None and norm is not None:
         raise ValueError("gemv: residual= and norm= together (a producer's sums are its output)")
+    if norm_weight is not None and (residual is None or norm_weight.shape != (rows,)
+                                    or norm_weight.dtype != x.dtype or x.dtype not in NORM_DTYPES):
+        raise ValueError(f"gemv: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} needs residual= and "
+                         f"[{rows}] of x's dtype, one of {NORM_DTYPES}")
     _check_norm(norm, x)
     if m > MAX_M or weight.shape != (rows, k) or (bias is not None and bias.shape != (rows,)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
@@ -415,7 +439,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:   # with residual: the stream as it is, and its (empty) rows' sums
         if residual is not None:
-            return y.copy_(residual), torch.zeros((1, m), dtype=torch.float32, device=x.device)
+            out = y.copy_(residual), torch.zeros((1, m), dtype=torch.float32, device=x.device)
+            return out if norm_weight is None else (*out, (residual.float() * norm_weight.float()).to(x.dtype))
         return y
     if k == 0:
         if glu:
@@ -446,20 +471,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     res = residual if residual is not None else y
     ss, nw, parts, eps, block_p = _norm_args(norm, y, cfg.block_m)
     ss = sums if sums is not None else ss
+    rw = torch.empty_like(y) if norm_weight is not None else y
+    if norm_weight is not None:
+        nw = norm_weight.contiguous()
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles * m_tiles, split)](
-        x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, m, n, k,
+        x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, rw, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
         RES_OUT=residual is not None and (split == 1 or inline), NORM_IN=norm is not None, BLOCK_P=block_p,
-        INLINE_REDUCE=inline, M_TILES=m_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        INLINE_REDUCE=inline, M_TILES=m_tiles, RES_WEIGHTED=norm_weight is not None and (split == 1 or inline),
+        NORM_W=norm is not None and norm.weight is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1 and not inline:
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            ws, b, y, res, ss, m, n, y.stride(0), res.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-            BLOCK=block, GLU=glu, RES_OUT=residual is not None, num_warps=4, **launch)
-    return y if residual is None else (y, sums)
+            ws, b, y, res, ss, nw, rw, m, n, y.stride(0), res.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+            BLOCK=block, GLU=glu, RES_OUT=residual is not None, RES_WEIGHTED=norm_weight is not None,
+            num_warps=4, **launch)
+    if residual is None:
+        return y
+    return (y, sums) if norm_weight is None else (y, sums, rw)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -508,10 +541,12 @@ def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _check_norm(norm: "NormInput | None", x: torch.Tensor) -> None:
     m, k = x.shape
-    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype or k == 0
+    weight_ok = norm is None or norm.weight is None or (norm.weight.shape == (k,) and norm.weight.dtype == x.dtype)
+    if norm is not None and (not weight_ok or k == 0
                              or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
                              or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
-        raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} / sums "
+        shown = None if norm.weight is None else (tuple(norm.weight.shape), norm.weight.dtype)
+        raise ValueError(f"gemv: norm weight {shown} / sums "
                          f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
     if norm is not None and x.dtype not in NORM_DTYPES:
         raise ValueError(f"gemv: norm= takes {NORM_DTYPES}, not {x.dtype}: the consumer rounds x * weight to "
@@ -531,15 +566,16 @@ def _norm_args(norm: "NormInput | None", dummy: torch.Tensor, block_m: int) -> t
     if norm is None:
         return dummy, dummy, 0, 0.0, 1
     parts = norm.sums.shape[0]
-    return (norm.sums.contiguous(), norm.weight.contiguous(), parts, float(norm.eps),
+    return (norm.sums.contiguous(), dummy if norm.weight is None else norm.weight.contiguous(), parts, float(norm.eps),
             min(PARTS_AHEAD[block_m], triton.next_power_of_2(parts)))
 
 
 class NormInput(NamedTuple):
     """RMSNorm still to apply to a residual stream, by the GEMV that reads it: the producer's
-    per-program sums of squares [parts, M] (fp32), the norm weight and eps."""
+    per-program sums of squares [parts, M] (fp32), the norm weight (None to a consumer whose x is
+    the producer's weighted stream) and eps."""
     sums: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -560,13 +596,26 @@ class RowLinear(NamedTuple):
 
 
 class PendingNorm(NamedTuple):
-    """A residual stream whose RMSNorm the next projection applies as it reads it."""
+    """A residual stream whose RMSNorm the next projection applies as it reads it; weighted: the
+    stream times the norm's weight as the producer wrote it (None: the consumer multiplies)."""
     r: torch.Tensor
     norm: NormInput
+    weighted: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.r.shape
+
+    def consumed(self) -> tuple[torch.Tensor, NormInput]:
+        """(x, norm) for the consuming gemv: the weighted stream and the scale alone, or the stream."""
+        if self.weighted is None:
+            return self.r, self.norm
+        return self.weighted, NormInput(self.norm.sums, None, self.norm.eps)
+
+
+# The widest residual stream whose norm fusion GemvOps takes at steps of 2..16 tokens by default
+# (the 68m / 160m drafts' 768; TinyLlama's 2048 and the 7B's 4096 lost, see GemvOps).
+NARROW_NORM_N = 1024
 
 
 class GemvOps:
@@ -580,33 +629,47 @@ class GemvOps:
     each program's sum of squares, and returns a PendingNorm; the qkv / gate_up projection that
     reads it multiplies each K slice by the norm weight as it loads it and scales its sums by
     1 / RMS (from those partial sums, in a fixed order: deterministic) at the end. RMSNorm's value,
-    not the separate kernel's bits. Two kernels fewer per layer. Only for steps of at most
-    norm_max_m tokens (default 1: single-token decode); larger steps run each piece as before.
-    H200, same weights, graphed decode (bench/timeline.py, decode.py, cost_coefficient.py): at
-    b 1 the forward took 3688 vs 3722 us (7B), 294 vs 309 (160m), 897 vs 946 (1.1B); at b 8 the
-    tl.dot path lost (7B 4.76 vs 4.10 ms), so M > 1 keeps the separate kernels. That path loaded
-    the norm weight inside each K step, outside the cp.async pipeline (a global load and a barrier
-    on every step's path in the sm_90 PTX); it loads it one step ahead now, not yet timed: the
-    kernel set norm_m16 of bench/common.py (norm_max_m 16) against default at b 8 decides."""
+    not the separate kernel's bits. Two kernels fewer per layer. With norm_ahead (the default) the
+    producer also writes the stream times the norm weight (gemv(norm_weight=)) and the consumer
+    reads that, its K steps without the multiply (the same bits).
+    Which steps: norm_max_m tokens at most where set; by default (None) 1-token steps, and steps
+    of up to SERVE_MAX_M tokens where the residual stream is at most NARROW_NORM_N wide.
+    H200, same weights, graphed decode (bench/timeline.py): at b 1 the forward took 3688 vs 3722
+    us (7B), 294 vs 309 (160m), 897 vs 946 (1.1B; session 12). On the tl.dot path (2..16 rows) the
+    consumer that multiplied on its K steps lost everywhere (7B verify of 5 tokens at b 1: 4943 vs
+    4048 us, session 24); weighed ahead it wins only on narrow models (session 24: 160m decode at
+    b 8 348 vs 363 us; 1.1B 1115 vs 1076; 7B 4552 vs 4223, verify at b 1 4239 vs 4005)."""
 
     def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False):
         self.base = base
         self.on_cpu = on_cpu
         self.fuse_silu = fuse_silu
         self.fuse_norm = fuse_norm
-        self.norm_max_m = 1
+        self.norm_max_m: int | None = None
+        # the producer writes the stream times the norm weight too (gemv(norm_weight=)), so the
+        # consumer's K steps carry no multiply; SPECDEC_GEMV_NORM_AHEAD=0 leaves it to the consumer
+        self.norm_ahead = os.environ.get("SPECDEC_GEMV_NORM_AHEAD", "1") != "0"
         self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
 
     def row_linear(self, x, weight):
-        if (self.fuse_norm and x.dim() == 2 and x.shape[0] <= self.norm_max_m
+        if (self.fuse_norm and x.dim() == 2 and x.shape[0] <= self.norm_bound(weight.shape[0])
                 and _serves(x, weight, None, self.on_cpu)):
             return RowLinear(x, weight)
         return self.linear(x, weight)
+
+    def norm_bound(self, width: int) -> int:
+        """The most tokens a step may have for the norm fusion around a residual stream `width` wide."""
+        if self.norm_max_m is not None:
+            return self.norm_max_m
+        return _serve_max_m.value if width <= NARROW_NORM_N else 1
 
     def add_rmsnorm(self, x, residual, norm):
         if isinstance(x, RowLinear):
             if (residual is not None and residual.shape == x.shape
                     and residual.dtype == x.x.dtype == norm.weight.dtype and residual.dtype in NORM_DTYPES):
+                if self.norm_ahead:
+                    r, sums, weighted = gemv(x.x, x.weight, residual=residual, norm_weight=norm.weight)
+                    return PendingNorm(r, NormInput(sums, norm.weight, norm.eps), weighted), r
                 r, sums = gemv(x.x, x.weight, residual=residual)
                 return PendingNorm(r, NormInput(sums, norm.weight, norm.eps)), r
         return self.base.add_rmsnorm(self.resolve(x), residual, norm)
@@ -627,14 +690,16 @@ class GemvOps:
     def linear(self, x, weight, bias=None):
         if isinstance(x, PendingNorm):
             if _serves(x.r, weight, bias, self.on_cpu):
-                return gemv(x.r, weight, bias, norm=x.norm)
+                xin, norm = x.consumed()
+                return gemv(xin, weight, bias, norm=norm)
             x = self.resolve(x)
         return linear(x, weight, bias, on_cpu=self.on_cpu)
 
     def gate_up_silu(self, x, weight, bias=None):
         if self.fuse_silu and weight.shape[0] % 2 == 0:
             if isinstance(x, PendingNorm) and _serves(x.r, weight, bias, self.on_cpu):
-                return gemv(x.r, weight, bias, epilogue="silu_mul", norm=x.norm)
+                xin, norm = x.consumed()
+                return gemv(xin, weight, bias, epilogue="silu_mul", norm=norm)
             if not isinstance(x, PendingNorm) and _serves(x, weight, bias, self.on_cpu):
                 return _on_rows(x, weight, bias, epilogue="silu_mul")
         return self.base.silu_mul(self.linear(x, weight, bias))

@@ -46,7 +46,7 @@ def compile_kernel(fn, types: dict[str, str], constexprs: dict, warps: int, stag
 
 def variants():
     gemv_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
-                  "R": "*bf16", "SS": "*fp32", "NW": "*bf16", "eps": "fp32"}
+                  "R": "*bf16", "SS": "*fp32", "NW": "*bf16", "RW": "*bf16", "eps": "fp32"}
     for (bm, bn, bk, warps, stages), split, glu in itertools.product(
             [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5), (64, 32, 128, 4, 5)], [1, 4], [False, True]):
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=glu, EVEN_K=split == 1,
@@ -64,14 +64,23 @@ def variants():
         c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=1, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
                  USE_PDL=True, GLU=glu, RES_OUT=res, NORM_IN=norm, BLOCK_P=gemv.PARTS_AHEAD[bm])
         yield f"gemv M{bm} residual={res} norm={norm} glu={glu}", gemv._gemv_kernel, gemv_types, c, warps, stages
+    for (bm, bn, bk, warps, stages), (res, norm, glu), split in itertools.product(   # the norm weighed ahead
+            [(1, 8, 512, 8, 3), (16, 32, 128, 4, 5)], [(True, False, False), (False, True, False),
+                                                       (False, True, True)], [1, 4]):
+        c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
+                 USE_PDL=True, GLU=glu, RES_OUT=res, NORM_IN=norm, BLOCK_P=gemv.PARTS_AHEAD[bm],
+                 INLINE_REDUCE=split > 1, RES_WEIGHTED=res, NORM_W=False)
+        yield (f"gemv M{bm} split{split} ahead residual={res} norm={norm} glu={glu}", gemv._gemv_kernel, gemv_types,
+               c, warps, stages)
     for split, res in ((1, False), (4, False), (4, True)):   # 40 rows in three 16-row tiles
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT=split, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
                  USE_PDL=True, GLU=False, RES_OUT=res, NORM_IN=False, BLOCK_P=16, INLINE_REDUCE=split > 1,
                  M_TILES=3)
         yield f"gemv M16 x3 tiles split{split} residual={res}", gemv._gemv_kernel, gemv_types, c, 4, 5
-    for glu, res in ((False, False), (True, False), (False, True)):
-        c = dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True, GLU=glu, RES_OUT=res)
-        yield f"splitk_reduce glu={glu} residual={res}", gemv._splitk_reduce_kernel, gemv_types, c, 4, 1
+    for glu, res, weighted in ((False, False, False), (True, False, False), (False, True, False), (False, True, True)):
+        c = dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True, GLU=glu, RES_OUT=res, RES_WEIGHTED=weighted)
+        yield (f"splitk_reduce glu={glu} residual={res} weighted={weighted}", gemv._splitk_reduce_kernel, gemv_types,
+               c, 4, 1)
     attn_types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Part": "*fp32",
                   "Counters": "*i32", "BlockTables": "*i32", "ContextLens": "*i32",
                   "QueryStart": "*i32", "scale_log2": "fp32"}

@@ -86,6 +86,9 @@ def test_kernel_set_norm_m16_fuses_the_norm_up_to_16_token_steps():
     with kernel_set(model, "norm_m16"):
         assert model.ops.fuse_norm and model.ops.norm_max_m == 16
     with kernel_set(model, "default"):
-        assert model.ops.fuse_norm and model.ops.norm_max_m == 1
+        assert model.ops.fuse_norm and model.ops.norm_max_m is None   # GemvOps.norm_bound's rule
+        assert model.ops.norm_ahead
+    with kernel_set(model, "norm_m1_late"):                           # the default before session 24
+        assert model.ops.fuse_norm and model.ops.norm_max_m == 1 and not model.ops.norm_ahead
     with kernel_set(model, "no_norm"):
         assert not model.ops.fuse_norm

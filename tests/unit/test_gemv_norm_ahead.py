@@ -1,0 +1,142 @@
+"""The norm weighed ahead (kernels/gemv.py: gemv(residual=..., norm_weight=...) and a consumer's
+NormInput(sums, None, eps); GemvOps.norm_ahead, on by default): the producer of the residual
+stream also writes the stream times the next norm's weight, rounded as the consumer would round
+it, so the consumer reads it as its x and its K steps carry no multiply. On the CPU under
+TRITON_INTERPRET=1 and on the GPU: the producer's extra output has those bits on every path
+(one row, tl.dot rows, split-K summed inline or by the reduce kernel, ragged N); the consumer of
+it gives the bits of the consumer that multiplies; a model gives the same logits with it on and
+off; what does not fit is refused."""
+import pytest
+import torch
+
+from specdec.kernels import gemv as gemv_module
+from specdec.kernels.gemv import GemvConfig, NormInput, PendingNorm, gemv
+from specdec.models.loader import build_model, init_random
+from tests.helpers.op_sets import new_runner, run_steps, tiny_config
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# fp32 on the CPU (the interpreter truncates fp32 -> bf16 where torch rounds); bf16 on the GPU
+DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+CASES = [  # (m, producer config, reduce): one row, tl.dot rows, split-K both ways, N not a tile multiple
+    (1, None, "inline"),
+    (1, GemvConfig(1, 8, 32, split_k=3), "inline"),
+    (1, GemvConfig(1, 8, 32, split_k=3), "separate"),
+    (5, None, "inline"),
+    (5, GemvConfig(16, 16, 32, split_k=3), "inline"),
+    (5, GemvConfig(16, 16, 32, split_k=3), "separate"),
+    (3, GemvConfig(16, 32, 16), "inline"),
+]
+
+
+def _operands(m, device, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k, n, n2 = 96, 72, 40            # 72: ragged against 16- and 32-row W tiles
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(device, dtype)
+    res = torch.randn(m, n, generator=gen).to(device, dtype)
+    nw = (1 + 0.3 * torch.randn(n, generator=gen)).to(device, dtype)
+    w2 = (torch.randn(n2, n, generator=gen) * 0.1).to(device, dtype)
+    w3 = (torch.randn(2 * n2, n, generator=gen) * 0.1).to(device, dtype)
+    return x, w, res, nw, w2, w3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m, cfg, reduce", CASES, ids=lambda c: str(c))
+def test_producer_writes_the_weighted_stream_and_consumers_keep_their_bits(device, m, cfg, reduce):
+    dtype = DTYPE[device]
+    x, w, res, nw, w2, w3 = _operands(m, device, dtype, seed=m)
+    with gemv_module.split_reduce_forced(reduce):
+        r0, sums0 = gemv(x, w, config=cfg, residual=res)
+        torch.full_like(r0, float("nan"))   # a freed block of NaN: an unwritten rw element shows
+        r, sums, rw = gemv(x, w, config=cfg, residual=res, norm_weight=nw)
+    # the stream and its sums as without the weight; rw as torch rounds r * weight
+    assert torch.equal(r, r0) and torch.equal(sums, sums0)
+    assert rw.shape == r.shape and rw.dtype == dtype
+    assert torch.equal(rw, (r.float() * nw.float()).to(dtype))
+    # consumers (one row, tl.dot rows, SiLU * up): the weighted stream and the scale alone give the
+    # bits of the consumer that multiplies the stream by the weight on its K steps
+    for cfg2 in (None, GemvConfig(16 if m > 1 else 1, 16, 16, split_k=2)):
+        plain = gemv(r, w2, config=cfg2, norm=NormInput(sums, nw, 1e-5))
+        ahead = gemv(rw, w2, config=cfg2, norm=NormInput(sums, None, 1e-5))
+        assert torch.isfinite(ahead).all() and torch.equal(ahead, plain)
+    plain = gemv(r, w3, epilogue="silu_mul", norm=NormInput(sums, nw, 1e-5))
+    assert torch.equal(gemv(rw, w3, epilogue="silu_mul", norm=NormInput(sums, None, 1e-5)), plain)
+
+
+def test_empty_rows_and_what_does_not_fit():
+    x, w, res, nw, _, _ = _operands(2, "cpu", torch.float32, seed=7)
+    r, sums, rw = gemv(x[:0], w, residual=res[:0], norm_weight=nw)
+    assert r.shape == rw.shape == (0, 72) and sums.shape == (1, 0)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, norm_weight=nw)                                   # no residual
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, residual=res, norm_weight=nw[:-1])                # not [N]
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x.half(), w.half(), residual=res.half(), norm_weight=nw.half())   # fp16: refused
+    with pytest.raises(ValueError, match="norm"):
+        gemv(x, w.T.contiguous()[:, :72], norm=NormInput(torch.zeros(3, 1), None, 1e-5))   # sums for 1 row
+
+
+@pytest.mark.parametrize("max_m", [2, 16])
+def test_a_model_gives_the_same_logits_with_the_weight_ahead(max_m):
+    """run_steps (a 16-token prefill, a 2-row decode and a 5-row verify step) through the fused norm
+    (2: the decode step only, 16: every step) with the producer weighing ahead and without: the
+    same logits (float32 on the CPU: the same arithmetic); with it on, producers get the norm
+    weight and consumers none."""
+    model = init_random(build_model(tiny_config(), torch.float32, "cpu"), std=0.1)
+    model.set_gemv_kernels(True)
+    model.ops.on_cpu = True
+    model.ops.norm_max_m = max_m
+    assert model.ops.norm_ahead          # on by default (SPECDEC_GEMV_NORM_AHEAD=0 turns it off)
+
+    def steps(ahead):
+        model.ops.norm_ahead = ahead
+        seen, original = [], gemv_module.gemv
+
+        def spy(*a, **kw):
+            if kw.get("residual") is not None:
+                seen.append(("producer", kw.get("norm_weight") is not None))
+            if kw.get("norm") is not None:
+                seen.append(("consumer", kw["norm"].weight is None))
+            return original(*a, **kw)
+        gemv_module.gemv = spy
+        try:
+            return run_steps(new_runner(model, torch.float32)), seen
+        finally:
+            gemv_module.gemv = original
+
+    want, off = steps(False)
+    got, on = steps(True)
+    assert off and not any(flag for _, flag in off)
+    assert on and all(flag for _, flag in on) and len(on) == len(off)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_pending_norm_hands_its_consumer_the_weighted_stream():
+    r, w = torch.ones(2, 4), torch.full((2, 4), 3.0)
+    norm = NormInput(torch.zeros(1, 2), torch.full((4,), 3.0), 1e-5)
+    x, n = PendingNorm(r, norm, w).consumed()
+    assert x is w and n.weight is None and n.sums is norm.sums and n.eps == norm.eps
+    x, n = PendingNorm(r, norm).consumed()
+    assert x is r and n is norm
+
+
+def test_by_default_narrow_streams_fuse_steps_of_up_to_16_tokens():
+    """norm_max_m None (the default): 1-token steps take the fusion at any width; 2..16-token steps
+    only where the residual stream is at most NARROW_NORM_N wide (the small drafts); more than 16
+    never. An explicit norm_max_m decides alone."""
+    from specdec.kernels.gemv import NARROW_NORM_N, GemvOps, RowLinear, SERVE_MAX_M
+    from specdec.models.llama import TorchLayerOps
+    ops = GemvOps(TorchLayerOps(), on_cpu=True, fuse_norm=True)
+    assert ops.norm_max_m is None
+    narrow, wide = torch.zeros(NARROW_NORM_N, 8), torch.zeros(NARROW_NORM_N + 8, 8)
+    for m, want_narrow, want_wide in ((1, True, True), (2, True, False), (SERVE_MAX_M, True, False),
+                                      (SERVE_MAX_M + 1, False, False)):
+        x = torch.zeros(m, 8)
+        assert isinstance(ops.row_linear(x, narrow), RowLinear) == want_narrow, m
+        assert isinstance(ops.row_linear(x, wide), RowLinear) == want_wide, m
+    ops.norm_max_m = 1
+    assert not isinstance(ops.row_linear(torch.zeros(2, 8), narrow), RowLinear)
+    assert ops.norm_bound(8) == 1 and ops.norm_bound(NARROW_NORM_N + 8) == 1
