@@ -90,7 +90,7 @@ def _model(device, dtype, **kw):
 def _set_norm(model, on: bool, device: str, max_m: int = 16):
     model.set_gemv_norm(on)
     model.ops.on_cpu = device == "cpu"
-    model.ops.norm_max_m = max_m     # 16: every step the GEMV serves (the default: 1-token steps)
+    model.ops.norm_max_m = max_m     # 16: every step the GEMV serves (the default: GemvOps.norm_bound)
 
 
 @pytest.mark.parametrize("device,dtype,tol", [("cpu", torch.float32, 1e-5),
@@ -163,10 +163,10 @@ def test_more_partial_sums_than_one_load_of_them():
     torch.testing.assert_close(out, gemv(_norm_ref(r, nw, 1e-5), w2), rtol=1e-5, atol=1e-5)
 
 
-def test_by_default_only_single_token_steps_are_fused():
-    """norm_max_m = 1 (the tl.dot path of M > 1 measured slower on the H200): a one-sequence decode
-    step runs the fused producers and consumers, a two-token step the separate kernels; logits as
-    without the fusion either way."""
+def test_at_a_bound_of_one_only_single_token_steps_are_fused():
+    """norm_max_m = 1 (the bound wide models get by default: their tl.dot consumers measured slower
+    on the H200): a one-sequence decode step runs the fused producers and consumers, a two-token
+    step the separate kernels; logits as without the fusion either way."""
     model = _model("cpu", torch.float32)
     assert model.gemv_norm                    # on by default (SPECDEC_GEMV_NORM=0 turns it off)
 

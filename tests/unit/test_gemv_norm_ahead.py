@@ -137,6 +137,8 @@ def test_by_default_narrow_streams_fuse_steps_of_up_to_16_tokens():
         x = torch.zeros(m, 8)
         assert isinstance(ops.row_linear(x, narrow), RowLinear) == want_narrow, m
         assert isinstance(ops.row_linear(x, wide), RowLinear) == want_wide, m
+    with gemv_module.serve_max_m_forced(64):   # the GEMV serving more rows does not widen the fusion
+        assert not isinstance(ops.row_linear(torch.zeros(SERVE_MAX_M + 1, 8), narrow), RowLinear)
     ops.norm_max_m = 1
     assert not isinstance(ops.row_linear(torch.zeros(2, 8), narrow), RowLinear)
     assert ops.norm_bound(8) == 1 and ops.norm_bound(NARROW_NORM_N + 8) == 1

@@ -308,7 +308,7 @@ def _set(model, norm, silu=False, fused=False):
     model.set_gemv_silu(silu)
     model.set_gemv_norm(norm)
     model.ops.on_cpu = True
-    model.ops.norm_max_m = 16     # every step the GEMV serves (the default fuses 1-token steps only)
+    model.ops.norm_max_m = 16     # every step the GEMV serves (the default: GemvOps.norm_bound)
 
 
 def _spy():
