@@ -580,6 +580,8 @@ class NormInput(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The norm on its own (an RMSNorm module's call, for op sets that call the module)."""
+        if self.weight is None:   # a consumer's view of a weighted stream (PendingNorm.consumed)
+            raise ValueError("NormInput without its weight: only a gemv consumer of the weighted stream takes it")
         from specdec.models.llama import RMSNorm
         return RMSNorm.forward(self, x)
 

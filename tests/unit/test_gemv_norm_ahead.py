@@ -121,6 +121,8 @@ def test_pending_norm_hands_its_consumer_the_weighted_stream():
     assert x is w and n.weight is None and n.sums is norm.sums and n.eps == norm.eps
     x, n = PendingNorm(r, norm).consumed()
     assert x is r and n is norm
+    with pytest.raises(ValueError, match="without its weight"):   # not a norm to run on its own
+        PendingNorm(r, norm, w).consumed()[1](r)
 
 
 def test_by_default_narrow_streams_fuse_steps_of_up_to_16_tokens():
