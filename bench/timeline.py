@@ -114,8 +114,8 @@ def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max
     results = []
     for spec in ksets:
         kset, mml, context_lens = graph_variant(spec)
-        for q in query_lens:
-            with kernel_set(model, kset):
+        with kernel_set(model, kset):
+            for q in query_lens:
                 results.append({**_measure(model, cfg, shape, b, replays, bw, mml or max_model_len, context_lens, q),
                                 "kernel_set": spec})
     del model
@@ -161,7 +161,7 @@ def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_
 
 
 def _print(r: dict) -> None:
-    print(f"\n{r['shape']} b {r['batch']} q {r.get('query_len', 1)} [{r['kernel_set']}] max_model_len {r['max_model_len']}: "
+    print(f"\n{r['shape']} b {r['batch']} q {r['query_len']} [{r['kernel_set']}] max_model_len {r['max_model_len']}: "
           f"{r['kernels']} kernels, replay span "
           f"{r['span_us']:.1f} us, weight floor {r['weight_floor_us']:.1f} us "
           f"({r['weight_floor_us'] / r['span_us']:.0%})")

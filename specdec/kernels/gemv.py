@@ -471,9 +471,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     res = residual if residual is not None else y
     ss, nw, parts, eps, block_p = _norm_args(norm, y, cfg.block_m)
     ss = sums if sums is not None else ss
-    rw = torch.empty_like(y) if norm_weight is not None else y
+    rw = y   # (the weighted stream: norm_weight only; the producer's NW is the norm weight)
     if norm_weight is not None:
-        nw = norm_weight.contiguous()
+        rw, nw = torch.empty_like(y), norm_weight.contiguous()
     launch = pdl.options(x.device)
     _gemv_kernel[(n_tiles * m_tiles, split)](
         x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, rw, m, n, k,
@@ -540,15 +540,16 @@ def _on_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _check_norm(norm: "NormInput | None", x: torch.Tensor) -> None:
+    if norm is None:
+        return
     m, k = x.shape
-    weight_ok = norm is None or norm.weight is None or (norm.weight.shape == (k,) and norm.weight.dtype == x.dtype)
-    if norm is not None and (not weight_ok or k == 0
-                             or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
-                             or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
-        shown = None if norm.weight is None else (tuple(norm.weight.shape), norm.weight.dtype)
-        raise ValueError(f"gemv: norm weight {shown} / sums "
+    weight = None if norm.weight is None else (tuple(norm.weight.shape), norm.weight.dtype)
+    if (weight not in (None, ((k,), x.dtype)) or k == 0
+            or norm.sums.dtype != torch.float32 or norm.sums.dim() != 2
+            or norm.sums.shape[1] != m or norm.sums.shape[0] < 1):
+        raise ValueError(f"gemv: norm weight {weight} / sums "
                          f"{tuple(norm.sums.shape)} {norm.sums.dtype} do not fit x [{m}, {k}] {x.dtype}")
-    if norm is not None and x.dtype not in NORM_DTYPES:
+    if x.dtype not in NORM_DTYPES:
         raise ValueError(f"gemv: norm= takes {NORM_DTYPES}, not {x.dtype}: the consumer rounds x * weight to "
                          "the dtype before 1 / RMS scales it, which overflows fp16 near its maximum")
 
@@ -669,11 +670,12 @@ class GemvOps:
         if isinstance(x, RowLinear):
             if (residual is not None and residual.shape == x.shape
                     and residual.dtype == x.x.dtype == norm.weight.dtype and residual.dtype in NORM_DTYPES):
+                weighted = None
                 if self.norm_ahead:
                     r, sums, weighted = gemv(x.x, x.weight, residual=residual, norm_weight=norm.weight)
-                    return PendingNorm(r, NormInput(sums, norm.weight, norm.eps), weighted), r
-                r, sums = gemv(x.x, x.weight, residual=residual)
-                return PendingNorm(r, NormInput(sums, norm.weight, norm.eps)), r
+                else:
+                    r, sums = gemv(x.x, x.weight, residual=residual)
+                return PendingNorm(r, NormInput(sums, norm.weight, norm.eps), weighted), r
         return self.base.add_rmsnorm(self.resolve(x), residual, norm)
 
     def resolve(self, x):
