@@ -131,7 +131,7 @@ def test_tile_configs_agree(dtype):
     ref = reference_f64(batch, 0.08)
     ran = 0
     for block_n in (32, 64, 128):
-        for warps, stages in ((4, 2), (4, 3), (8, 3)):
+        for warps, stages in ((4, 2), (4, 3), (8, 3), (2, 3), (2, 2)):
             cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
             try:
                 out = attention(batch, 0.08, config=cfg)
@@ -139,7 +139,7 @@ def test_tile_configs_agree(dtype):
                 continue
             assert rel_error(out, ref) < TOL[dtype], cfg
             ran += 1
-    assert ran >= 6
+    assert ran >= 10
     # The 32-row, 128-key, 3-stage tile the plan takes for GQA verification (session 23).
     out = attention(batch, 0.08, config={"BLOCK_M": 32, "BLOCK_N": 128, "num_stages": 3})
     assert rel_error(out, ref) < TOL[dtype]
@@ -148,6 +148,24 @@ def test_tile_configs_agree(dtype):
             cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "num_stages": 2}
             out = attention(batch, 0.08, config=cfg, num_splits=3, merge=merge)
             assert rel_error(out, ref) < TOL[dtype], (cfg, merge)
+
+
+@pytest.mark.parametrize("merge", ["separate", "inline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, query_lens, context_lens", [
+    ((32, 32, 128), [8], [2048]),            # 8 splits of 256 keys -> 16 of the small tile
+    ((32, 8, 128), [1, 8, 3], [8192, 3000, 77]),
+    ((32, 32, 128), [8], [1024]),            # the same 8 splits, small tile
+])
+def test_split_plans_small_tile(heads, query_lens, context_lens, dtype, merge):
+    from specdec.kernels.triton_attention import SMALL_SPLIT_TILE, launch_plan
+    h, hkv, d = heads
+    batch = random_paged_batch(query_lens, context_lens, h, hkv, d, 16, dtype, "cuda", seed=sum(context_lens))
+    plan = launch_plan(len(query_lens), h, hkv, d, batch.max_query_len, batch.max_context_len, batch.q.device)
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 100:   # the rule's grids (H100 / H200)
+        assert (plan["BLOCK_N"], plan["num_warps"]) == (SMALL_SPLIT_TILE["BLOCK_N"], SMALL_SPLIT_TILE["num_warps"])
+    ref = reference_f64(batch, 0.08)
+    assert rel_error(attention(batch, 0.08, merge=merge), ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
