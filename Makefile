@@ -30,9 +30,10 @@ prometheus:
 	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } \
 	  || echo "prometheus not installed: the tests that need it will skip"
 
-# On a CUDA machine with torch/triton already installed (the device machine): GPU-marked tests only.
+# On a CUDA machine with torch/triton already installed (the device machine): GPU-marked tests only,
+# in 8 processes sharing the GPU where pytest-xdist is installed (the device image has it).
 test-gpu:
-	python3 -m pytest -q -m gpu tests
+	python3 -m pytest -q -m gpu $$(python3 -c 'import xdist' 2>/dev/null && echo '-n 8') tests
 
 protos: setup
 	$(PY) -m protos.codegen

@@ -3,7 +3,7 @@
 # Logs and the stages' JSON go to $OUT (default bench/results); only those files are copied, since
 # the device returns a bounded number of files.
 #   bash bench/gpu_suite.sh STAGE...
-# Stages: tests (GPU tests except attention; halves: tests-gpu, tests-unit), tests-attention, numerics, e2e, e2e-ab (E2E_AB_ARGS:
+# Stages: tests (every GPU test, in parallel processes; parts: tests-gpu, tests-unit, tests-attention), numerics, e2e, e2e-ab (E2E_AB_ARGS:
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), e2e-trace
@@ -16,8 +16,7 @@
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
 #         Suggested calls (each < 10 min):
-#   bash bench/gpu_suite.sh tests                 # > 300 s since session 18 (or tests-gpu, tests-unit)
-#   bash bench/gpu_suite.sh tests-attention       # ~300 s
+#   bash bench/gpu_suite.sh tests                 # ~210 s with 8 workers (session 25)
 #   bash bench/gpu_suite.sh e2e numerics          # ~300 s (E2E_ARGS: more e2e.py arguments)
 #   bash bench/gpu_suite.sh decode cost gemv      # ~90 s, then: attention (~200 s), serving
 # The device image lacks grpcio-health-checking / grpcio-reflection: put their 1.84.0 wheels in
@@ -54,14 +53,16 @@ keep() {  # copy result JSON into $OUT (when it is not bench/results itself)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 for s in "$@"; do
   case $s in
-    tests) run tests "${TESTS_S:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests \
-             --ignore tests/gpu/test_triton_attention_gpu.py ;;
-    # the same in two halves (session 18: the whole took more than 300 s, ~125 of 155 tests)
-    tests-gpu) run tests-gpu "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/gpu \
-             tests/integration --ignore tests/gpu/test_triton_attention_gpu.py ;;
-    tests-unit) run tests-unit "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/unit ;;
-    tests-attention) run tests-attention "${ATTN_TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-             tests/gpu/test_triton_attention_gpu.py ;;
+    # every GPU test, attention included, in TEST_WORKERS pytest-xdist processes sharing the GPU
+    # (the image has xdist; session 25: 310 passed in 208 s with 8, where one process took > 900 s)
+    tests) run tests "${TESTS_S:-400}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" -p no:cacheprovider -rf tests ;;
+    # the same in parts
+    tests-gpu) run tests-gpu "${TESTS_S:-300}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" -p no:cacheprovider -rf \
+             tests/gpu tests/integration --ignore tests/gpu/test_triton_attention_gpu.py ;;
+    tests-unit) run tests-unit "${TESTS_S:-300}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" -p no:cacheprovider -rf \
+             tests/unit ;;
+    tests-attention) run tests-attention "${ATTN_TESTS_S:-300}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" \
+             -p no:cacheprovider -rf tests/gpu/test_triton_attention_gpu.py ;;
     numerics) run numerics "${NUMERICS_S:-120}" python3 bench/numerics.py; keep numerics.json ;;
     e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}" ${E2E_ARGS:-}; keep e2e.json ;;
     e2e-ab) run e2e-ab "${E2E_AB_S:-520}" python3 bench/e2e_ab.py ${E2E_AB_ARGS:?E2E_AB_ARGS: e2e_ab.py arguments}
