@@ -44,8 +44,7 @@ import triton  # noqa: E402
 from common import cold_ms, copy_bandwidth, environment, flush_cost_us  # noqa: E402
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error  # noqa: E402
 from specdec.kernels import triton_attention  # noqa: E402
-from specdec.kernels.triton_attention import (SMALL_SPLIT_TILE, choose_splits, launch_plan,  # noqa: E402
-                                               paged_attention, tile_config)
+from specdec.kernels.triton_attention import launch_plan, paged_attention, tile_config  # noqa: E402
 
 SHAPES = {"llama7b_32x128": (32, 32, 128), "gqa_32q_8kv_x128": (32, 8, 128)}
 BATCHES, CONTEXTS, QUERY_LENS = (1, 8, 32, 64), (512, 2048, 8192), (1, 4, 8, 16)
@@ -210,18 +209,10 @@ def bench_group(shape: str, b: int, ctx: int, qls, bw: float, graphed: bool, tun
             row["check_ok"] = row["check_vs_sdpa_rel_err"] < 2 * CHECK_TOL[DTYPE]
             row["ms"] = timed(ours, graphed, **BENCH_MS)
             row["ms_write_flush"] = timed(ours, graphed, flush="write", **BENCH_MS)
-            # Side by side where the split plans' small tile (session 25) changed the plan: the
-            # default tile at choose_splits' count (explicit splits keep the default tile).
-            prev = tile_config(h // hkv, ql, d, triton.cdiv(ctx, plan["num_splits"]))
-            if plan["num_splits"] > 1 and all(plan[k] == v for k, v in SMALL_SPLIT_TILE.items()):
-                s_old = choose_splits(b * hkv * plan["n_qtiles"], ctx, triton_attention._num_sms(q.device))
-                old = launch_plan(b, h, hkv, d, ql, ctx, q.device, num_splits=s_old)
-                ours(None, s_old)
-                row["before_small_tile"] = {k: old[k] for k in ("BLOCK_N", "num_warps", "num_stages", "num_splits")}
-                row["ms_before_small_tile"] = timed(lambda: ours(None, s_old), graphed, **BENCH_MS)
             # Side by side where the occupancy rules of tile_config (session 7) changed the tile:
             # the tile the plan took before them, at the same split count.
-            elif (prev["BLOCK_N"], prev["num_stages"]) != (plan["BLOCK_N"], plan["num_stages"]):
+            prev = tile_config(h // hkv, ql, d, triton.cdiv(ctx, plan["num_splits"]))
+            if (prev["BLOCK_N"], prev["num_stages"]) != (plan["BLOCK_N"], plan["num_stages"]):
                 cfg = {k: prev[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
                 ours(cfg, plan["num_splits"])
                 row["prev_tile"] = cfg
@@ -350,8 +341,6 @@ def fmt_row(r: dict) -> str:
         notes.append(f"page ahead x{r['page_ahead_x']:.2f}")
     if "ms_prev_tile" in r:
         notes.append(f"tile before the occupancy rules {r['ms_prev_tile']:.4f} ms")
-    if "ms_before_small_tile" in r:
-        notes.append(f"before the small split tile {r['ms_before_small_tile']:.4f} ms {r['before_small_tile']}")
     p = r["plan"]
     tile = f"{p['BLOCK_M']}/{p['BLOCK_N']}/{p['num_warps']}/{p['num_stages']}"
     return head + (f"{r['ms']:>9.4f}{r['ms_write_flush']:>9.4f}{r['ms_inline_merge']:>9.4f}{r['eager_ms']:>9.4f}{r['sdpa_ms']:>9.4f}{r['floor_ms']:>8.4f}"
@@ -397,10 +386,6 @@ def goals(rows: list[dict]) -> dict:
         "occupancy_rules": {"changed": sum("ms_prev_tile" in r for r in good),
                             "faster_2pct": sum(r["ms_prev_tile"] > 1.02 * r["ms"] for r in good if "ms_prev_tile" in r),
                             "slower_2pct": sum(r["ms_prev_tile"] < 0.98 * r["ms"] for r in good if "ms_prev_tile" in r)},
-        "split_small_tile": {
-            "changed": sum("ms_before_small_tile" in r for r in good),
-            "faster_2pct": sum(r["ms_before_small_tile"] > 1.02 * r["ms"] for r in good if "ms_before_small_tile" in r),
-            "slower_2pct": sum(r["ms_before_small_tile"] < 0.98 * r["ms"] for r in good if "ms_before_small_tile" in r)},
         "sdpa_latency_us": {r["shape"]: round(r["sdpa_ms"] * 1e3, 2) for r in lat},
         "latency_inline_merge_us": {r["shape"]: round(r["ms_inline_merge"] * 1e3, 2) for r in lat},
         "latency_eager_us": {r["shape"]: round(r["eager_ms"] * 1e3, 2) for r in lat},

@@ -105,7 +105,7 @@ def weight_bytes(shape: str) -> dict[str, int]:
 
 
 def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max_model_len: int = 0,
-            query_lens: tuple[int, ...] = (1,)) -> list[dict]:
+            query_lens: tuple[int, ...] = (1,), context: int = CONTEXT) -> list[dict]:
     """One result per kernel set and query length, all on the same weights. ksets: kernel sets,
     each optionally with a server's graph bounds (common.graph_variant: "default@4096+256");
     max_model_len is the bound of those without."""
@@ -116,16 +116,16 @@ def measure(shape: str, b: int, replays: int, bw: float, ksets=("default",), max
         kset, mml, context_lens = graph_variant(spec)
         with kernel_set(model, kset):
             for q in query_lens:
-                results.append({**_measure(model, cfg, shape, b, replays, bw, mml or max_model_len, context_lens, q),
-                                "kernel_set": spec})
+                results.append({**_measure(model, cfg, shape, b, replays, bw, mml or max_model_len, context_lens, q,
+                                           context), "kernel_set": spec})
     del model
     torch.cuda.empty_cache()
     return results
 
 
 def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_len: int,
-             context_lens: tuple[int, ...] = (), query_len: int = 1) -> dict:
-    runner, staged = graphed_decode(model, b, CONTEXT, BLOCK, max_model_len, context_lens, query_len)
+             context_lens: tuple[int, ...] = (), query_len: int = 1, context: int = CONTEXT) -> dict:
+    runner, staged = graphed_decode(model, b, context, BLOCK, max_model_len, context_lens, query_len)
     graph = runner.graphs.staged_graph(staged).graph
     for _ in range(20):
         graph.replay()
@@ -154,7 +154,7 @@ def _measure(model, cfg, shape: str, b: int, replays: int, bw: float, max_model_
             g["frac_of_floor"] = g["floor_us_each"] / g["marginal_us_each"]
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del runner
-    return {"shape": shape, "batch": b, "query_len": query_len, "context": CONTEXT, "max_model_len": max_model_len or CONTEXT + 64,
+    return {"shape": shape, "batch": b, "query_len": query_len, "context": context, "max_model_len": max_model_len or context + 64,
             "context_lens": list(context_lens),
             "kernels": n, "span_us": span,
             "weight_floor_us": total_bytes / bw * 1e6, "groups": list(groups.values())}
@@ -184,13 +184,15 @@ def main() -> int:
                     help="the graph bucket's longest sequence (a server's --max-model-len; default context + 64)")
     ap.add_argument("--query-lens", type=int, nargs="+", default=[1],
                     help="tokens a sequence per traced forward: 1 decode, q > 1 a verification of q - 1 drafts")
+    ap.add_argument("--context", type=int, default=CONTEXT,
+                    help="tokens each sequence holds before the traced forward (a graph bound below it is raised)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     results = []
     for shape in args.shapes:
         for b in args.batches:
             for r in measure(shape, b, args.replays, bw, args.kernel_sets, args.max_model_len,
-                             tuple(args.query_lens)):
+                             tuple(args.query_lens), args.context):
                 results.append(r)
                 _print(r)
     write_result("timeline", {"benchmark": "timeline", "environment": environment(),

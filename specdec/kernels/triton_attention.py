@@ -315,9 +315,6 @@ LONG_KEYS = 2048           # keys per program from which 128-key tiles win (H200
 SLOTS_PER_SM = 2           # programs of the default tiles resident per SM (shared memory bound)
 SPLIT_SLACK = 1.1          # take the fewest splits within 10% of the best modelled time
 WIDE_32_ROW_KEYS = 512     # keys per program from which 32-row tiles take 128-key tiles
-# Split plans of 16- and 32-row tiles stream with small programs (see _split_tile_plan).
-SMALL_SPLIT_TILE = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 3}
-LONG_SPLIT_KEYS = 256      # keys per split from which the small tile takes twice the splits
 
 
 @functools.lru_cache(maxsize=None)
@@ -400,26 +397,6 @@ def choose_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
     return next(s for s, c in enumerate(cost, 1) if c <= SPLIT_SLACK * best)
 
 
-def _split_tile_plan(programs: int, max_context_len: int, num_splits: int, num_sms: int, block_m: int,
-                     head_dim: int, elem_size: int) -> int:
-    """The split count at which a split plan takes SMALL_SPLIT_TILE (32 keys, 2 warps, 3 stages),
-    or 0 to keep the default tile. The small program (2 warps, ~40 KB of shared memory) leaves an SM
-    room for several more, so a split plan runs more of them at once: where a split has
-    >= LONG_SPLIT_KEYS keys, twice the splits; where it has fewer but the grid has more programs
-    than SMs (the one-128-key-tile rule of tile_config does not apply), the same splits.
-    H200, graph replays with a clean L2, each against the plan in the same run (session 25,
-    bench/README.md): MHA B=1 ctx 2048 q 1-16 19.9-21.1 -> 18.8-20.3 us, ctx 8192 42.3-44.0 ->
-    41.1-42.5; GQA B=8 ctx 2048 27.5-35.3 -> 26.8-33.5, ctx 8192 78.4-85.4 -> 72.3-79.7; GQA B=1
-    ctx 8192 q 8 25.2 -> 23.4; at the same splits MHA B=1 ctx 1024 q 8 16.6 -> 15.6, GQA B=8 ctx 512
-    16.3-22.7 -> 15.5-21.5. Where it lost it is not taken: 128 keys a split with an SM per program
-    (B=1 ctx 512: 11.5 -> 12.2 us), unsplit grids (MHA B=8 ctx 512 25.6 -> 28.0)."""
-    if num_splits == 1 or block_m > 32 or _d_pad(head_dim) > 128 or elem_size > 2:
-        return 0
-    if triton.cdiv(max_context_len, num_splits) >= LONG_SPLIT_KEYS:
-        return min(MAX_SPLITS, 2 * num_splits)
-    return num_splits if programs * num_splits > num_sms else 0
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
           max_context_len: int, num_sms: int, elem_size: int, num_splits: int | None,
@@ -433,13 +410,7 @@ def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_q
         raise ValueError(f"BLOCK_M {block_m} is smaller than the query group {group}")
     n_qtiles = triton.cdiv(max_query_len, qt)
     if num_splits is None:
-        programs = num_seqs * num_kv_heads * n_qtiles
-        num_splits = choose_splits(programs, max_context_len, num_sms)
-        small = 0 if over else _split_tile_plan(programs, max_context_len, num_splits, num_sms, block_m,
-                                                head_dim, elem_size)
-        if small:
-            return (block_m, SMALL_SPLIT_TILE["BLOCK_N"], SMALL_SPLIT_TILE["num_warps"],
-                    SMALL_SPLIT_TILE["num_stages"], qt, n_qtiles, small)
+        num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len, num_sms)
     tile = {**tile_config(group, max_query_len, head_dim, triton.cdiv(max_context_len, num_splits),
                           elem_size, programs=num_seqs * num_kv_heads * n_qtiles * num_splits,
                           num_sms=num_sms if num_sms > 1 else 0, num_splits=num_splits), **over}

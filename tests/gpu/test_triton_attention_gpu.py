@@ -150,24 +150,6 @@ def test_tile_configs_agree(dtype):
             assert rel_error(out, ref) < TOL[dtype], (cfg, merge)
 
 
-@pytest.mark.parametrize("merge", ["separate", "inline"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads, query_lens, context_lens", [
-    ((32, 32, 128), [8], [2048]),            # 8 splits of 256 keys -> 16 of the small tile
-    ((32, 8, 128), [1, 8, 3], [8192, 3000, 77]),
-    ((32, 32, 128), [8], [1024]),            # the same 8 splits, small tile
-])
-def test_split_plans_small_tile(heads, query_lens, context_lens, dtype, merge):
-    from specdec.kernels.triton_attention import SMALL_SPLIT_TILE, launch_plan
-    h, hkv, d = heads
-    batch = random_paged_batch(query_lens, context_lens, h, hkv, d, 16, dtype, "cuda", seed=sum(context_lens))
-    plan = launch_plan(len(query_lens), h, hkv, d, batch.max_query_len, batch.max_context_len, batch.q.device)
-    if torch.cuda.get_device_properties(0).multi_processor_count >= 100:   # the rule's grids (H100 / H200)
-        assert (plan["BLOCK_N"], plan["num_warps"]) == (SMALL_SPLIT_TILE["BLOCK_N"], SMALL_SPLIT_TILE["num_warps"])
-    ref = reference_f64(batch, 0.08)
-    assert rel_error(attention(batch, 0.08, merge=merge), ref) < TOL[dtype]
-
-
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
 def test_store_kv_matches_reference(dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -187,7 +187,7 @@ def test_tile_heuristic_minds_occupancy_of_short_streams():
     assert tile_config(4, 8, 128, 512, programs=256, num_sms=132, num_splits=4)["BLOCK_N"] == 64
     # Through the plan (an H200's 132 SMs): GQA ctx 512 q=8 at B=32 is unsplit, at B=8 ctx 2048 not.
     assert triton_attention._plan(32, 32, 8, 128, 8, 512, 132, 2, None, ())[:2] == (32, 128)
-    plan = triton_attention._plan(8, 32, 8, 128, 8, 2048, 132, 2, 4, ())
+    plan = triton_attention._plan(8, 32, 8, 128, 8, 2048, 132, 2, None, ())
     assert (plan[0], plan[1], plan[-1]) == (32, 64, 4)          # 4 splits: 64-key tiles
     assert tile_config(4, 8, 128, 512, programs=512, num_sms=132, elem_size=4)["BLOCK_N"] <= 64
     # A split of <= 128 keys with an SM per program: one 128-key tile.
@@ -198,39 +198,6 @@ def test_tile_heuristic_minds_occupancy_of_short_streams():
     for cfg in (tile_config(4, 1, 128, 512, programs=512, num_sms=132),
                 tile_config(4, 8, 128, 128, programs=64, num_sms=132)):
         assert (2 * cfg["num_stages"] * cfg["BLOCK_N"] + cfg["BLOCK_M"]) * 128 * 2 <= SMEM_BUDGET
-
-
-def test_split_plans_take_the_small_tile():
-    """Split plans of 16- and 32-row tiles: 32 keys, 2 warps, 3 stages, at twice the splits where a
-    split has >= LONG_SPLIT_KEYS keys, at the same splits where it has fewer but the grid has more
-    programs than SMs (an H200's 132); everything else keeps its tile (session 25's H200 runs)."""
-    small = tuple(triton_attention.SMALL_SPLIT_TILE[k] for k in ("BLOCK_N", "num_warps", "num_stages"))
-
-    def plan(b, h, hkv, q, ctx, d=128, elem=2, splits=None, config=()):
-        p = triton_attention._plan(b, h, hkv, d, q, ctx, 132, elem, splits, config)
-        return p[:4], p[-1]
-
-    assert plan(1, 32, 32, 8, 2048) == ((16,) + small, 16)       # 8 splits of 256 keys -> 16
-    assert plan(1, 32, 32, 1, 8192) == ((16,) + small, 16)
-    assert plan(8, 32, 8, 8, 8192) == ((32,) + small, 8)         # GQA, 4 splits of 2048 -> 8
-    assert plan(1, 32, 8, 1, 8192) == ((16,) + small, 60)        # 30 splits of 274 keys -> 60
-    assert plan(1, 32, 32, 8, 1024) == ((16,) + small, 8)        # 128 keys a split, 256 programs
-    assert plan(8, 32, 8, 4, 512) == ((16,) + small, 4)
-    # kept: 128 keys a split with an SM per program (one 128-key tile), unsplit grids, 64-row
-    # tiles, fp32 caches, head_dim 256, and every override of the tile or the split count
-    assert plan(1, 32, 32, 8, 512) == ((16, 128, 4, 2), 4)
-    assert plan(1, 32, 8, 8, 1024) == ((32, 128, 4, 2), 8)
-    assert plan(1, 32, 8, 8, 2048)[1] == 15                      # 137 keys, 120 programs
-    assert plan(8, 32, 32, 8, 512) == ((16, 64, 4, 3), 1)
-    assert plan(64, 32, 32, 1, 2048) == ((16, 128, 4, 3), 1)
-    assert plan(8, 32, 8, 16, 2048) == ((64, 64, 4, 3), 4)
-    assert plan(1, 32, 32, 8, 2048, elem=4)[1] == 8
-    assert plan(1, 32, 32, 8, 2048, d=256)[1] == 8
-    assert plan(1, 32, 32, 8, 2048, splits=8) == ((16, 64, 4, 3), 8)
-    assert plan(1, 32, 32, 8, 2048, config=(("num_stages", 3),)) == ((16, 64, 4, 3), 8)
-    assert plan(1, 8, 1, 1, 2048 * 64) == ((16,) + small, triton_attention.MAX_SPLITS)   # MQA: the cap
-    for ctx in (2048, 8192):   # doubled splits keep >= MIN_KEYS_PER_SPLIT keys each
-        assert -(-ctx // plan(1, 32, 32, 1, ctx)[1]) >= triton_attention.MIN_KEYS_PER_SPLIT
 
 
 def test_tile_heuristic_widens_long_streams_and_fits_shared_memory():
