@@ -531,8 +531,13 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, merge: str = "separate"):
-        self.merge = merge   # how split-KV partials are merged (see paged_attention)
+    def __init__(self, merge: str | None = None):
+        # how split-KV partials are merged (see paged_attention); by default SPECDEC_ATTN_MERGE's
+        # ("separate" where unset), read when the backend is made
+        merge = os.environ.get("SPECDEC_ATTN_MERGE", "separate") if merge is None else merge
+        if merge not in ("separate", "inline"):
+            raise ValueError(f"TritonAttention: merge {merge!r} (SPECDEC_ATTN_MERGE) is not 'separate' or 'inline'")
+        self.merge = merge
 
     def store(self, k, v, k_cache, v_cache, batch) -> None:
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)

@@ -140,6 +140,16 @@ def tiny_model():
     return init_random(build_model(cfg, torch.float32, "cpu"), seed=0, std=0.1)
 
 
+def test_backend_merge_from_the_environment(monkeypatch):
+    assert TritonAttention().merge == "separate"
+    monkeypatch.setenv("SPECDEC_ATTN_MERGE", "inline")
+    assert TritonAttention().merge == "inline"
+    assert TritonAttention("separate").merge == "separate"      # an explicit choice wins
+    monkeypatch.setenv("SPECDEC_ATTN_MERGE", "inlined")
+    with pytest.raises(ValueError, match="SPECDEC_ATTN_MERGE"):
+        TritonAttention()
+
+
 def test_runner_with_triton_backend_matches_torch_backend():
     model = tiny_model()
     cache = CacheConfig(num_blocks=16, block_size=4)
