@@ -185,7 +185,7 @@ def main() -> int:
     ap.add_argument("--query-lens", type=int, nargs="+", default=[1],
                     help="tokens a sequence per traced forward: 1 decode, q > 1 a verification of q - 1 drafts")
     ap.add_argument("--context", type=int, default=CONTEXT,
-                    help="tokens each sequence holds before the traced forward (a graph bound below it is raised)")
+                    help="tokens each sequence holds before the traced forward (within the graph bound: --max-model-len or a kernel set's @bound)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     results = []
