@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from common import cold_ms, copy_bandwidth, environment, flush_cost_us  # noqa: E402
+from common import cold_ms, copy_bandwidth, environment, flush_cost_us, graph_of  # noqa: E402
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error  # noqa: E402
 from specdec.kernels import triton_attention  # noqa: E402
 from specdec.kernels.triton_attention import launch_plan, paged_attention, tile_config  # noqa: E402
@@ -146,16 +146,6 @@ def page_ahead(enabled: bool):
         yield
     finally:
         triton_attention.set_page_ahead(old)
-
-
-def graph_of(fn):
-    """A replay callable of a CUDA graph that captured one fn() call (already warmed up)."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay
 
 
 def timed(fn, graphed: bool, flush: str = "read", **bench_ms) -> float:

@@ -158,6 +158,24 @@ def _flush_buffer() -> torch.Tensor:
     return torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
 
 
+def graph_of(fn, warmup: int = 0):
+    """A replay callable of a CUDA graph that captured one fn() call; warmup calls (on a side
+    stream) first where fn has not run yet (compiles, allocator pools)."""
+    if warmup:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
 def cold_ms(fn, warmup: float = 10.0, rep: float = 50.0, flush: str = "read") -> float:
     """Median device milliseconds of fn() (CUDA events around each call), the L2 emptied before
     each call; warmup and rep are milliseconds of calls, as in triton.testing.do_bench.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import cold_ms, environment, table, write_result
+from common import cold_ms, environment, graph_of, table, write_result
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -53,21 +53,6 @@ def _prefetch_spin_kernel(P, chunk, n_bytes, spin_ns, PREFETCH: tl.constexpr, BL
         t = _now(z)
 
 
-def graphed(fn):
-    """A replay callable of a CUDA graph of fn() (warmed up on a side stream first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay
-
-
 def window(w: torch.Tensor, ns: int, programs: int, prefetch: bool):
     flat = w.view(torch.uint8).view(-1)
     chunk = max(16, -(-flat.numel() // (programs * THREADS) // 16) * 16)   # bulk sizes: multiples of 16 B
@@ -80,7 +65,7 @@ def measure(name: str, n: int, k: int, windows, programs) -> dict:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     want = x.double() @ w.double().T
     err = ((gemv(x, w).double() - want).norm() / want.norm()).item()
-    us = lambda fn: 1e3 * cold_ms(graphed(fn))   # noqa: E731
+    us = lambda fn: 1e3 * cold_ms(graph_of(fn, warmup=3))   # noqa: E731
     row = {"shape": name, "n": n, "k": k, "mb": n * k * 2 / 2**20, "rel_err": err,
            "gemv_us": us(lambda: gemv(x, w)), "cases": []}
     for ns in windows:

@@ -430,6 +430,15 @@ def launch_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                     plan))
 
 
+MERGE_MODES = ("separate", "inline")   # how a split call's partials are merged (paged_attention)
+
+
+def _check_merge(merge: str, where: str) -> str:
+    if merge not in MERGE_MODES:
+        raise ValueError(f"{where}: merge must be one of {MERGE_MODES}, not {merge!r}")
+    return merge
+
+
 def _tile_counters(device: torch.device, capacity: int) -> torch.Tensor:
     """Zeroed int32 arrival counters of the inline merge, one per (sequence, KV head, query tile)
     (kernels/counters.py)."""
@@ -452,8 +461,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     partials; "inline" lets the last split of each query tile merge them (one launch, an atomic
     counter per tile). Returns out [T, H, D] in q's dtype.
     """
-    if merge not in ("separate", "inline"):
-        raise ValueError(f"merge must be 'separate' or 'inline', not {merge!r}")
+    _check_merge(merge, "paged_attention")
     t, h, d = q.shape
     _, page, hkv, d_k = k_cache.shape
     if d_k != d or v_cache.shape != k_cache.shape or h % hkv:
@@ -535,9 +543,7 @@ class TritonAttention:
         # how split-KV partials are merged (see paged_attention); by default SPECDEC_ATTN_MERGE's
         # ("separate" where unset), read when the backend is made
         merge = os.environ.get("SPECDEC_ATTN_MERGE", "separate") if merge is None else merge
-        if merge not in ("separate", "inline"):
-            raise ValueError(f"TritonAttention: merge {merge!r} (SPECDEC_ATTN_MERGE) is not 'separate' or 'inline'")
-        self.merge = merge
+        self.merge = _check_merge(merge, "TritonAttention (SPECDEC_ATTN_MERGE)")
 
     def store(self, k, v, k_cache, v_cache, batch) -> None:
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
