@@ -52,6 +52,8 @@ KERNEL_SETS = {
     # the GEMV for steps of up to 64 rows (the default stops at gemv.SERVE_MAX_M = 16, cuBLAS above):
     # verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32
     "gemv_m64": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=64),
+    # the split merge at 4 warps whatever its size (the default before session 26; triton_attention.merge_warps)
+    "merge_w4": dict(fused=True, gemv=True, pdl=True, norm=True, merge_warps=4),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
@@ -62,7 +64,7 @@ KERNEL_SETS = {
 def kernel_set(model, name: str):
     """Switch `model` to a kernel set; capture its CUDA graphs inside the block (a graph keeps the
     kernels, and the launch attributes, it was captured with)."""
-    from specdec.kernels import gemv, pdl
+    from specdec.kernels import gemv, pdl, triton_attention
     chosen = KERNEL_SETS[name]
     model.set_fused_kernels(chosen["fused"])
     model.set_gemv_kernels(chosen["gemv"])
@@ -76,7 +78,8 @@ def kernel_set(model, name: str):
     if reduce == "inline" and torch.cuda.is_available():
         gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture
     with (pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce),
-          gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M))):
+          gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M)),
+          triton_attention.merge_warps.forced(chosen.get("merge_warps", 0))):
         yield
 
 

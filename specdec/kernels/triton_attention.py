@@ -27,6 +27,7 @@ import triton.language as tl
 
 from specdec.kernels import pdl
 from specdec.kernels.counters import arrival_counters
+from specdec.kernels.switch import Switch
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128   # below this a split's reads no longer pay for its partial write + merge
@@ -58,6 +59,34 @@ HEADS_FIRST = os.environ.get("SPECDEC_ATTN_HEADS_FIRST", "1") != "0"
 def set_heads_first(enabled: bool) -> None:
     global HEADS_FIRST
     HEADS_FIRST = bool(enabled)
+
+
+# Warps of the separate split merge. One program merges one (token, head)'s S partials of D_PAD
+# floats. With 4 warps Triton lays the [S_PAD, D_PAD] tile out with the splits across the warps, so
+# the sum over splits goes through shared memory and a barrier; with one warp it stays in registers.
+# H200, attention + merge in a graph, PDL on (bench/results/logs/s26/merge_exp_call1_h200.log): the
+# merge's marginal time after the attention at S = 8 was 2.2 us with 4 warps and 0.96 with 1 (7B
+# b 1 ctx 384), 3.6 and 1.3 (7B b 8); with 1 warp 0.8-1.3 us at every S from 2 to 30 measured.
+# In the servers' 4096 graphs at ctx 384 (H100, timeline.py, logs/s26/merge_call3_*): the 7B b 1
+# forward 4995 vs 5073 us, llama-160m b 8 407 vs 422, TinyLlama b 1 1060 vs 1068.
+# A warp takes up to MERGE_ELEMS_PER_WARP partial elements (64 a thread), larger merges get more
+# warps (at most 4). merge_warps.forced(n) fixes the count for A/B runs (0: by size).
+MERGE_ELEMS_PER_WARP = 2048
+
+
+def _check_warps(n: int) -> int:
+    if n not in (0, 1, 2, 4, 8):
+        raise ValueError(f"merge warps must be 0 (by size), 1, 2, 4 or 8, not {n!r}")
+    return n
+
+
+merge_warps: Switch[int] = Switch(0, _check_warps)
+
+
+def merge_num_warps(num_splits: int, d_pad: int) -> int:
+    if merge_warps.value:
+        return merge_warps.value
+    return min(4, max(1, triton.next_power_of_2(num_splits) * d_pad // MERGE_ELEMS_PER_WARP))
 
 
 @triton.jit
@@ -511,7 +540,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if split and not inline:
         _merge_splits_kernel[(t, h)](
             out, part, h, num_splits, lse_offset, out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4, **launch)
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits),
+            num_warps=merge_num_warps(num_splits, d_pad), **launch)
     return out
 
 

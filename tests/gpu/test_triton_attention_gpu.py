@@ -11,8 +11,8 @@ from triton.runtime.errors import OutOfResources
 from specdec.config import CacheConfig, ModelConfig
 from specdec.kernels.paged_inputs import random_paged_batch, reference_f64, rel_error
 from specdec.kernels.reference import TorchAttention, store_kv_ref
-from specdec.kernels.triton_attention import (TritonAttention, _tile_counters, paged_attention,
-                                               store_kv)
+from specdec.kernels.triton_attention import (TritonAttention, _tile_counters, merge_warps,
+                                               paged_attention, store_kv)
 from specdec.models.loader import build_model, init_random
 from specdec.runner import ModelRunner, SeqInput
 
@@ -55,6 +55,19 @@ def test_matches_float64_reference(name, heads, dtype, merge):
             out = attention(batch, d ** -0.5, num_splits=splits, merge=merge)
             err = rel_error(out, ref)
             assert err < TOL[dtype], (name, heads, dtype, block_size, splits, err)
+
+
+@pytest.mark.parametrize("warps", [0, 1, 2, 4])
+def test_separate_merge_at_every_warp_count(warps):
+    # The split merge's result does not depend on its warps (triton_attention.merge_num_warps picks
+    # them by size; 0 = that rule): ragged contexts, splits up to 64 (S_PAD x D_PAD from 256 to 8192).
+    for (h, hkv, d), splits in (((32, 32, 128), 8), ((14, 2, 64), 30), ((32, 8, 128), 64)):
+        batch = random_paged_batch([1, 5, 1], [4000, 517, 1], h, hkv, d, 16, torch.bfloat16, "cuda",
+                                   seed=warps + splits)
+        ref = reference_f64(batch, d ** -0.5)
+        with merge_warps.forced(warps):
+            out = attention(batch, d ** -0.5, num_splits=splits, merge="separate")
+        assert rel_error(out, ref) < TOL[torch.bfloat16], (h, hkv, d, splits, warps)
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])

@@ -263,3 +263,18 @@ def test_padding_sequences_and_dead_tiles_with_early_loads(early, heads_first, s
     paged_attention(batch.q, batch.k_cache, batch.v_cache, tables, ctx, starts, 5, SCALE,
                     max_context_len=40, num_splits=splits, out=out, config={"BLOCK_N": 16, "BLOCK_M": 4})
     assert rel_error(out, reference_f64(batch, SCALE)) < 1e-5
+
+
+def test_merge_warps_by_size_and_forced():
+    # One warp while a (token, head)'s partials fit MERGE_ELEMS_PER_WARP (the sum over splits then
+    # stays in registers), more for bigger merges, never over 4; forced(n) wins; bad counts refused.
+    assert triton_attention.merge_num_warps(8, 128) == 1        # the 7B at b 1 in the 4096 graphs
+    assert triton_attention.merge_num_warps(30, 64) == 1        # TinyLlama's 30 splits pad to 32
+    assert triton_attention.merge_num_warps(33, 64) == 2
+    assert triton_attention.merge_num_warps(64, 128) == 4
+    assert triton_attention.merge_num_warps(64, 256) == 4
+    with triton_attention.merge_warps.forced(4):
+        assert triton_attention.merge_num_warps(2, 64) == 4
+    assert triton_attention.merge_num_warps(2, 64) == 1
+    with pytest.raises(ValueError, match="merge warps"):
+        triton_attention.merge_warps.set(3)
