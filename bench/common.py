@@ -52,6 +52,8 @@ KERNEL_SETS = {
     # the GEMV for steps of up to 64 rows (the default stops at gemv.SERVE_MAX_M = 16, cuBLAS above):
     # verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32
     "gemv_m64": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=64),
+    # split plans without the small split tile (32 keys, 2 warps; triton_attention.small_split_tiles)
+    "no_small_split": dict(fused=True, gemv=True, pdl=True, norm=True, small_split=False),
     # the split merge at 4 warps whatever its size (the default before session 26; triton_attention.merge_warps)
     "merge_w4": dict(fused=True, gemv=True, pdl=True, norm=True, merge_warps=4),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
@@ -79,7 +81,8 @@ def kernel_set(model, name: str):
         gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture
     with (pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce),
           gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M)),
-          triton_attention.merge_warps.forced(chosen.get("merge_warps", 0))):
+          triton_attention.merge_warps.forced(chosen.get("merge_warps", 0)),
+          triton_attention.small_split_tiles.forced(chosen.get("small_split", True))):
         yield
 
 

@@ -344,6 +344,9 @@ LONG_KEYS = 2048           # keys per program from which 128-key tiles win (H200
 SLOTS_PER_SM = 2           # programs of the default tiles resident per SM (shared memory bound)
 SPLIT_SLACK = 1.1          # take the fewest splits within 10% of the best modelled time
 WIDE_32_ROW_KEYS = 512     # keys per program from which 32-row tiles take 128-key tiles
+SMALL_SPLIT_KEYS = 256     # split programs with fewer keys than this, more than one per SM: small tiles
+# small_split_tiles.forced(False): plans without that rule, for A/B runs (read when a plan is made).
+small_split_tiles: Switch[bool] = Switch(True, bool)
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +361,8 @@ def _d_pad(head_dim: int) -> int:
 
 
 def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program: int = 0,
-                elem_size: int = 2, programs: int = 0, num_sms: int = 0, num_splits: int = 1) -> dict:
+                elem_size: int = 2, programs: int = 0, num_sms: int = 0, num_splits: int = 1,
+                small_split: bool = True) -> dict:
     """BLOCK_M (query rows = tokens x heads of a KV group), BLOCK_N (keys), warps, stages.
 
     Short queries stream the cache: a program with >= LONG_KEYS keys to read takes 128-key tiles
@@ -387,6 +391,17 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
     else:
         prefs = [(64, 3), (64, 2), (32, 2), (16, 2)]
     if programs and num_sms and d_pad <= 128 and 0 < keys_per_program < LONG_KEYS and block_m <= 32:
+        if (small_split and num_splits > 1 and keys_per_program < SMALL_SPLIT_KEYS and programs > num_sms
+                and elem_size <= 2):
+            # Short splits, more programs than SMs: 32-key tiles at 2 warps (~57 KB of shared
+            # memory), so an SM runs more programs at once and each program's fixed latency (its
+            # metadata -> page table -> K/V chain) overlaps more others'. H200, session 25: MHA B=1
+            # ctx 1024 q 8 (8 splits of 128 keys) 16.6 -> 15.6 us, GQA B=8 ctx 512 16.3-22.7 ->
+            # 15.5-21.5. Session 26 (one-warp merge): the latency case 15.68 -> 14.98 us. In the
+            # servers' 4096 graphs this takes only the narrow drafts at b 1 (llama-160m: 20 splits
+            # of 205 keys, 12 heads; 293 -> 290 us a forward). Session 25's companion rule, twice
+            # the splits from 256 keys a split with these tiles, lost in the forward (bench/README.md).
+            return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3)
         if keys_per_program <= 128 and programs <= num_sms:
             prefs = [(128, 2)] + prefs
         elif SLOTS_PER_SM * num_sms < programs <= 4 * num_sms and block_m <= 16:
@@ -429,7 +444,7 @@ def choose_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
           max_context_len: int, num_sms: int, elem_size: int, num_splits: int | None,
-          config: tuple) -> tuple:
+          config: tuple, small_split: bool = True) -> tuple:
     """(BLOCK_M, BLOCK_N, warps, stages, QT, n_qtiles, splits); config: sorted override items."""
     group = num_heads // num_kv_heads
     over = dict(config)
@@ -442,7 +457,8 @@ def _plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_q
         num_splits = choose_splits(num_seqs * num_kv_heads * n_qtiles, max_context_len, num_sms)
     tile = {**tile_config(group, max_query_len, head_dim, triton.cdiv(max_context_len, num_splits),
                           elem_size, programs=num_seqs * num_kv_heads * n_qtiles * num_splits,
-                          num_sms=num_sms if num_sms > 1 else 0, num_splits=num_splits), **over}
+                          num_sms=num_sms if num_sms > 1 else 0, num_splits=num_splits,
+                          small_split=small_split), **over}
     return (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_warps"], tile["num_stages"], qt, n_qtiles,
             num_splits)
 
@@ -454,7 +470,7 @@ def launch_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     host values alone (a CUDA-graph bucket fixes max_query_len and the split count)."""
     plan = _plan(num_seqs, num_heads, num_kv_heads, head_dim, max_query_len, max_context_len,
                  _num_sms(torch.device(device)), elem_size, num_splits,
-                 tuple(sorted((config or {}).items())))
+                 tuple(sorted((config or {}).items())), small_split_tiles.value)
     return dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "QT", "n_qtiles", "num_splits"),
                     plan))
 
@@ -509,7 +525,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     device = q.device
     block_m, block_n, warps, stages, qt, n_qtiles, num_splits = _plan(
         b, h, hkv, d, max_query_len, max_context_len, _num_sms(device), k_cache.element_size(),
-        num_splits, tuple(sorted(config.items())) if config else ())
+        num_splits, tuple(sorted(config.items())) if config else (), small_split_tiles.value)
     upcast = (device.type == "cpu" or k_cache.dtype == torch.float32) if _upcast is None else _upcast
     d_pad = _d_pad(d)
     split = num_splits > 1

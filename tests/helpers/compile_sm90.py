@@ -92,6 +92,10 @@ def variants():
                  HEADS_FIRST=order[0], EARLY_LOADS=order[1])
         yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead} heads_first/early={order}",
                triton_attention._paged_attention_kernel, attn_types, c, 4, 3)
+    c = dict(G=1, QT=16, PAGE=16, HEAD_DIM=128, D_PAD=128, BLOCK_M=16, BLOCK_N=32, SPLIT=True,
+             INLINE_MERGE=False, UPCAST=False, USE_PDL=True, PAGE_AHEAD=True, HEADS_FIRST=True, EARLY_LOADS=True)
+    yield "attention BM16 BN32 split, 2 warps (tile_config's small split tile)", \
+        triton_attention._paged_attention_kernel, attn_types, c, 2, 3
     merge_types = {"Out": "*bf16", "Part": "*fp32"}
     for s_pad, d_pad in ((8, 128), (32, 64), (64, 128)):   # triton_attention.merge_num_warps: 1, 1, 4
         warps = triton_attention.merge_num_warps(s_pad, d_pad)

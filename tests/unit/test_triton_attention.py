@@ -278,3 +278,24 @@ def test_merge_warps_by_size_and_forced():
     assert triton_attention.merge_num_warps(2, 64) == 1
     with pytest.raises(ValueError, match="merge warps"):
         triton_attention.merge_warps.set(3)
+
+
+def test_small_split_tile_rule(monkeypatch):
+    # Split plans whose programs have < SMALL_SPLIT_KEYS keys, more programs than SMs: 32-key tiles
+    # at 2 warps, at the same split count; the latency case of bench/attention.py is one.
+    plan = triton_attention._plan(1, 32, 32, 128, 8, 1024, 132, 2, None, ())
+    assert plan == (16, 32, 2, 3, 16, 1, 8)
+    # llama-160m at b 1 in a 4096 graph: 20 splits of 205 keys, 240 programs.
+    assert triton_attention._plan(1, 12, 12, 64, 1, 4096, 132, 2, None, ())[1:3] == (32, 2)
+    # Not taken: splits of >= 256 keys (the 7B at b 1 in a 4096 graph), a program per SM or fewer
+    # (B=1 ctx 512: 4 splits, 128 programs), unsplit plans, fp32 caches, or with the switch off.
+    assert triton_attention._plan(1, 32, 32, 128, 1, 4096, 132, 2, None, ())[1:3] == (64, 4)
+    assert triton_attention._plan(1, 32, 32, 128, 1, 512, 132, 2, None, ())[2] == 4
+    assert triton_attention._plan(8, 32, 32, 128, 1, 4096, 132, 2, None, ())[2] == 4
+    assert triton_attention._plan(1, 32, 32, 128, 8, 1024, 132, 4, None, ())[2] == 4
+    assert triton_attention._plan(1, 32, 32, 128, 8, 1024, 132, 2, None, (), False)[1:3] == (64, 4)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 132)   # launch_plan's switch
+    assert launch_plan(1, 32, 32, 128, 8, 1024, "cpu")["BLOCK_N"] == 32
+    with triton_attention.small_split_tiles.forced(False):
+        assert launch_plan(1, 32, 32, 128, 8, 1024, "cpu")["BLOCK_N"] == 64
+    assert launch_plan(1, 32, 32, 128, 8, 1024, "cpu")["num_warps"] == 2
