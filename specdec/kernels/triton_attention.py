@@ -376,7 +376,9 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
     memory: four per SM) and run in one wave (GQA B=64 ctx 512 q=1: 40.1 us against 51.5);
     where every program has an SM to itself and at most 128 keys, one 128-key tile replaces a
     loop of two (B=1 ctx 512, 4-14% faster); and unsplit 32-row tiles with at least a program
-    per SM take 128-key tiles (session 23: 10-15% faster at GQA ctx 512 q=8, B=32 and 64)."""
+    per SM take 128-key tiles (session 23: 10-15% faster at GQA ctx 512 q=8, B=32 and 64); and
+    split programs of fewer than SMALL_SPLIT_KEYS keys, more of them than SMs, take 32-key 2-warp
+    tiles (session 26; small_split=False leaves that rule out)."""
     d_pad = _d_pad(head_dim)
     rows = triton.next_power_of_2(max_query_len * group)
     floor_m = max(16, triton.next_power_of_2(group))   # tl.dot wants M >= 16; one token's heads fit
@@ -397,9 +399,9 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
             # memory), so an SM runs more programs at once and each program's fixed latency (its
             # metadata -> page table -> K/V chain) overlaps more others'. H200, session 25: MHA B=1
             # ctx 1024 q 8 (8 splits of 128 keys) 16.6 -> 15.6 us, GQA B=8 ctx 512 16.3-22.7 ->
-            # 15.5-21.5. Session 26 (one-warp merge): the latency case 15.68 -> 14.98 us. In the
-            # servers' 4096 graphs this takes only the narrow drafts at b 1 (llama-160m: 20 splits
-            # of 205 keys, 12 heads; 293 -> 290 us a forward). Session 25's companion rule, twice
+            # 15.5-21.5. Session 26 (one-warp merge, side by side): the latency case 15.39 -> 15.04
+            # us. In the servers' 4096 graphs this takes only the narrow drafts at b 1 (llama-160m:
+            # 20 splits of 205 keys, 12 heads; 293 -> 290 us a forward). Session 25's companion rule, twice
             # the splits from 256 keys a split with these tiles, lost in the forward (bench/README.md).
             return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3)
         if keys_per_program <= 128 and programs <= num_sms:
