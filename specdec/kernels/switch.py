@@ -1,5 +1,6 @@
 """A process-wide kernel setting read at launch (a CUDA graph keeps what it was captured with): PDL
-on or off, the GEMV's split-K reduce, the GEMV's dispatch bound. Its value, a checked set, and
+on or off, the GEMV's split-K reduce, the GEMV's dispatch bound, the attention's split-merge warps
+and small split tiles (a plan is made at launch). Its value, a checked set, and
 forced(value) for the length of a block (benchmarks compare settings in one process)."""
 from __future__ import annotations
 

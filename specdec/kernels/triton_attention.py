@@ -75,7 +75,7 @@ MERGE_ELEMS_PER_WARP = 2048
 
 
 def _check_warps(n: int) -> int:
-    if n not in (0, 1, 2, 4, 8):
+    if isinstance(n, bool) or n not in (0, 1, 2, 4, 8):
         raise ValueError(f"merge warps must be 0 (by size), 1, 2, 4 or 8, not {n!r}")
     return n
 
@@ -400,9 +400,12 @@ def tile_config(group: int, max_query_len: int, head_dim: int, keys_per_program:
             # metadata -> page table -> K/V chain) overlaps more others'. H200, session 25: MHA B=1
             # ctx 1024 q 8 (8 splits of 128 keys) 16.6 -> 15.6 us, GQA B=8 ctx 512 16.3-22.7 ->
             # 15.5-21.5. Session 26 (one-warp merge, side by side): the latency case 15.39 -> 15.04
-            # us. In the servers' 4096 graphs this takes only the narrow drafts at b 1 (llama-160m:
-            # 20 splits of 205 keys, 12 heads; 293 -> 290 us a forward). Session 25's companion rule, twice
-            # the splits from 256 keys a split with these tiles, lost in the forward (bench/README.md).
+            # us. In the servers' graphs (132 SMs) it changes: llama-160m / 68m at b 1 in the 4096
+            # graphs (20 splits of 205 keys; forward 293 -> 290 us) and at b 8 / 32 in the 256
+            # graphs (2 of 128; b 8 347 vs 346 us, within noise), the 7B at b 4 and TinyLlama at
+            # b 32 in the 256 graphs, TinyLlama at b 2 in the 4096 graphs (the last three not yet
+            # timed in a forward). Session 25's companion rule, twice the splits from 256 keys a
+            # split with these tiles, lost in the forward (bench/README.md).
             return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3)
         if keys_per_program <= 128 and programs <= num_sms:
             prefs = [(128, 2)] + prefs

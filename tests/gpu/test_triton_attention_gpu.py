@@ -60,8 +60,10 @@ def test_matches_float64_reference(name, heads, dtype, merge):
 @pytest.mark.parametrize("warps", [0, 1, 2, 4])
 def test_separate_merge_at_every_warp_count(warps):
     # The split merge's result does not depend on its warps (triton_attention.merge_num_warps picks
-    # them by size; 0 = that rule): ragged contexts, splits up to 64 (S_PAD x D_PAD from 256 to 8192).
-    for (h, hkv, d), splits in (((32, 32, 128), 8), ((14, 2, 64), 30), ((32, 8, 128), 64)):
+    # them by size; 0 = that rule: 1, 1, 4, 1 and 2 warps here): ragged contexts, splits up to 64,
+    # S_PAD x D_PAD from 1024 to 8192, head dim 256 too.
+    for (h, hkv, d), splits in (((32, 32, 128), 8), ((14, 2, 64), 30), ((32, 8, 128), 64),
+                                ((16, 16, 256), 8), ((16, 16, 256), 16)):
         batch = random_paged_batch([1, 5, 1], [4000, 517, 1], h, hkv, d, 16, torch.bfloat16, "cuda",
                                    seed=warps + splits)
         ref = reference_f64(batch, d ** -0.5)

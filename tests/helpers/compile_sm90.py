@@ -97,10 +97,12 @@ def variants():
     yield "attention BM16 BN32 split, 2 warps (tile_config's small split tile)", \
         triton_attention._paged_attention_kernel, attn_types, c, 2, 3
     merge_types = {"Out": "*bf16", "Part": "*fp32"}
-    for s_pad, d_pad in ((8, 128), (32, 64), (64, 128)):   # triton_attention.merge_num_warps: 1, 1, 4
+    # triton_attention.merge_num_warps: 1, 1, 1, 1 and 4 warps
+    for s_pad, d_pad in ((8, 128), (16, 128), (8, 256), (32, 64), (64, 128)):
         warps = triton_attention.merge_num_warps(s_pad, d_pad)
         c = dict(HEAD_DIM=d_pad, D_PAD=d_pad, S_PAD=s_pad, USE_PDL=True)
-        yield f"merge_splits S{s_pad} D{d_pad} warps={warps}", triton_attention._merge_splits_kernel, merge_types, c, warps, 1
+        yield (f"merge_splits S{s_pad} D{d_pad} warps={warps}", triton_attention._merge_splits_kernel, merge_types,
+               c, warps, 1)
     rope_types = {n: "*bf16" for n in ("Q", "K", "V", "Cos", "Sin", "QOut", "KCache", "VCache")}
     rope_types["Slots"] = "*i64"
     for early in (True, False):

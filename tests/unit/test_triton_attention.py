@@ -278,6 +278,8 @@ def test_merge_warps_by_size_and_forced():
     assert triton_attention.merge_num_warps(2, 64) == 1
     with pytest.raises(ValueError, match="merge warps"):
         triton_attention.merge_warps.set(3)
+    with pytest.raises(ValueError, match="merge warps"):
+        triton_attention.merge_warps.set(True)
 
 
 def test_small_split_tile_rule(monkeypatch):
