@@ -38,9 +38,12 @@ KERNEL_SETS = {
     "default": dict(fused=True, gemv=True, pdl=True, norm=True),
     "silu_gemv": dict(fused=True, gemv=True, pdl=True, norm=True, silu=True),  # SiLU * up in the gate_up GEMV
     "no_norm": dict(fused=True, gemv=True, pdl=True),  # add + RMSNorm as kernels of their own
-    # the norm fusion at steps of up to 16 tokens at every width (GemvOps.norm_max_m; the default
-    # takes 2..16-token steps only on residual streams of at most gemv.NARROW_NORM_N)
-    "norm_m16": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=16),
+    # the norm fusion at 1-token steps only (GemvOps.norm_max_m; the default takes steps of up to
+    # 16 tokens; before session 27 wide models took 1, the 768-wide drafts 16)
+    "norm_m1": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=1),
+    # every norm consumer on PDL (gemv.consumer_pdl; the default launches consumers of 2..16 rows on
+    # streams wider than gemv.NARROW_NORM_N without it): what the fusion lost on wide models before
+    "consumer_pdl": dict(fused=True, gemv=True, pdl=True, norm=True, consumer_pdl=True),
     # the norm fusion with the consumer multiplying x by the norm weight on its K steps instead of
     # the producer writing the weighted stream (GemvOps.norm_ahead); m1: at 1-token steps only,
     # whatever the width (both: the default before session 24)
@@ -82,7 +85,8 @@ def kernel_set(model, name: str):
     with (pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce),
           gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M)),
           triton_attention.merge_warps.forced(chosen.get("merge_warps", 0)),
-          triton_attention.small_split_tiles.forced(chosen.get("small_split", True))):
+          triton_attention.small_split_tiles.forced(chosen.get("small_split", True)),
+          gemv.consumer_pdl.forced(chosen.get("consumer_pdl"))):
         yield
 
 

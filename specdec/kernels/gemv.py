@@ -378,6 +378,35 @@ def split_reduce() -> str:
     return _split_reduce.value
 
 
+def _consumer_pdl_mode(value: bool | None) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"consumer PDL {value!r}: expected None (by rule), True or False")
+    return value
+
+
+# PDL at a norm consumer's launch (gemv(norm=...): the qkv / gate_up projection right after the
+# GEMV that wrote its residual stream). With PDL the consumer's blocks become resident while the
+# producer still streams its weight and wait there; on the tl.dot path (2..16 rows) of a wide stream
+# that cost the consumers 3-7 us each: H200, bench/timeline.py, both orders (bench/results/logs/s27/
+# consumer_pdl_call5_*), the 7B's 5-token verify at b 1 took 4340 / 4328 us fused with PDL, 3874 /
+# 3871 fused without it at the consumer, 4002 / 3983 unfused; its decode at b 8 4658 / 4689,
+# 4212 / 4215, 4388 / 4389; TinyLlama 2048 wide the same way (b 8 decode 1081 / 1070, 1023 / 1024,
+# 1071 / 1064). At one row, and on the 768-wide drafts at any row count, the consumer on PDL is
+# the faster (7B b 1 decode 3695 vs 3754 us, 160m b 8 370 vs 386). So by default (None) a consumer
+# of more than one row on a stream wider than NARROW_NORM_N is launched without PDL: it starts once
+# the producer has finished, as in plain stream order (the kernel after it may still take PDL:
+# everything before its predecessor has then finished). consumer_pdl.forced(True / False) makes
+# every consumer take / skip PDL, for A/B runs. Read at launch (a CUDA graph keeps what it captured).
+consumer_pdl: Switch[bool | None] = Switch(None, _consumer_pdl_mode)
+
+
+def consumer_launch_pdl(m: int, k: int) -> bool:
+    """Whether a norm consumer of m rows over a k-wide residual stream takes PDL (when PDL is on)."""
+    if consumer_pdl.value is not None:
+        return consumer_pdl.value
+    return m == 1 or k <= NARROW_NORM_N
+
+
 def _counters(device: torch.device) -> torch.Tensor:
     """The inline reduce's arrival counts on `device` (kernels/counters.py)."""
     return arrival_counters(device, MAX_SPLIT_TILES)
@@ -475,6 +504,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm_weight is not None:
         rw, nw = torch.empty_like(y), norm_weight.contiguous()
     launch = pdl.options(x.device)
+    own = launch if norm is None or consumer_launch_pdl(m, k) else {"USE_PDL": False, "launch_pdl": False}
     _gemv_kernel[(n_tiles * m_tiles, split)](
         x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, rw, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
@@ -484,7 +514,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         RES_OUT=residual is not None and (split == 1 or inline), NORM_IN=norm is not None, BLOCK_P=block_p,
         INLINE_REDUCE=inline, M_TILES=m_tiles, RES_WEIGHTED=norm_weight is not None and (split == 1 or inline),
         NORM_W=norm is not None and norm.weight is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **own)
     if split > 1 and not inline:
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             ws, b, y, res, ss, nw, rw, m, n, y.stride(0), res.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
@@ -616,8 +646,8 @@ class PendingNorm(NamedTuple):
         return self.weighted, NormInput(self.norm.sums, None, self.norm.eps)
 
 
-# The widest residual stream whose norm fusion GemvOps takes at steps of 2..16 tokens by default
-# (the 68m / 160m drafts' 768; TinyLlama's 2048 and the 7B's 4096 lost, see GemvOps).
+# The widest residual stream whose norm consumers of 2..16 rows take PDL by default (the 68m / 160m
+# drafts' 768; TinyLlama's 2048 and the 7B's 4096 are faster without it: see consumer_pdl).
 NARROW_NORM_N = 1024
 
 
@@ -635,13 +665,14 @@ class GemvOps:
     not the separate kernel's bits. Two kernels fewer per layer. With norm_ahead (the default) the
     producer also writes the stream times the norm weight (gemv(norm_weight=)) and the consumer
     reads that, its K steps without the multiply (the same bits).
-    Which steps: norm_max_m tokens at most where set; by default (None) 1-token steps, and steps
-    of up to SERVE_MAX_M tokens where the residual stream is at most NARROW_NORM_N wide.
+    Which steps: norm_max_m tokens at most where set; by default (None) steps of up to SERVE_MAX_M
+    tokens, whatever the width (wide streams' consumers of 2..16 rows without PDL: consumer_pdl).
     H200, same weights, graphed decode (bench/timeline.py): at b 1 the forward took 3688 vs 3722
     us (7B), 294 vs 309 (160m), 897 vs 946 (1.1B; session 12). On the tl.dot path (2..16 rows) the
     consumer that multiplied on its K steps lost everywhere (7B verify of 5 tokens at b 1: 4943 vs
-    4048 us, session 24); weighed ahead it wins only on narrow models (session 24: 160m decode at
-    b 8 348 vs 363 us; 1.1B 1115 vs 1076; 7B 4552 vs 4223, verify at b 1 4239 vs 4005)."""
+    4048 us, session 24); weighed ahead it won on narrow models (session 24: 160m decode at b 8 348
+    vs 363 us) and lost on wide ones (7B verify at b 1 4239 vs 4005) until their consumers left PDL
+    (session 27: 3874 vs 4002; see consumer_pdl)."""
 
     def __init__(self, base, on_cpu: bool = False, fuse_silu: bool = False, fuse_norm: bool = False):
         self.base = base
@@ -655,16 +686,16 @@ class GemvOps:
         self.name = base.name + "+gemv" + ("+silu" if fuse_silu else "") + ("+norm" if fuse_norm else "")
 
     def row_linear(self, x, weight):
-        if (self.fuse_norm and x.dim() == 2 and x.shape[0] <= self.norm_bound(weight.shape[0])
+        if (self.fuse_norm and x.dim() == 2 and x.shape[0] <= self.norm_bound()
                 and _serves(x, weight, None, self.on_cpu)):
             return RowLinear(x, weight)
         return self.linear(x, weight)
 
-    def norm_bound(self, width: int) -> int:
-        """The most tokens a step may have for the norm fusion around a residual stream `width` wide."""
+    def norm_bound(self) -> int:
+        """The most tokens a step may have for the norm fusion."""
         if self.norm_max_m is not None:
             return self.norm_max_m
-        return SERVE_MAX_M if width <= NARROW_NORM_N else 1   # what was timed, whatever serve_max_m
+        return SERVE_MAX_M   # what was timed, whatever serve_max_m_forced says
 
     def add_rmsnorm(self, x, residual, norm):
         if isinstance(x, RowLinear):

@@ -11,7 +11,8 @@ The rule every kernel here keeps: `enter(USE_PDL)` is the first thing it does, b
 store. So nothing reads a predecessor's output early or overwrites memory a predecessor still
 reads, and because each kernel's completion implies its predecessor's (it waited for it), the
 ordering of the whole chain is the stream's. Kernels launched without the attribute (torch's,
-cuBLAS) keep plain stream order.
+cuBLAS, and the GEMV's norm consumers of 2..16 rows on wide models: gemv.consumer_pdl) keep plain
+stream order.
 
 One process-wide switch, read at launch: CUDA graphs keep what they were captured with. Default
 on for compute capability >= 9; `SPECDEC_PDL=0` or `set_enabled(False)` (the servers'
@@ -41,8 +42,9 @@ _enabled: Switch[bool] = Switch(os.environ.get("SPECDEC_PDL", "1") != "0", bool)
 # The attention kernel loads its query starts, context lengths and first page indices this way
 # (its predecessor is RoPE + KV store, which writes q and the new K/V only), RoPE + KV store its
 # cos / sin rows and slots (its predecessor is the qkv projection, which with the norm fusion also
-# reads the norm's partial sums and weight, and writes only its output). Stores always follow
-# enter().
+# reads the norm's partial sums and weight, and writes only its output; launched without PDL, it
+# starts after its own predecessor has finished and RoPE starts after it has). Stores always
+# follow enter().
 # Read at launch (graphs keep what they captured); SPECDEC_PDL_EARLY=0 or set_early_loads(False)
 # puts every load after enter().
 EARLY_LOADS: bool = os.environ.get("SPECDEC_PDL_EARLY", "1") != "0"

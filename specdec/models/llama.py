@@ -227,10 +227,10 @@ class LlamaModel(nn.Module):
         self._choose_ops()
 
     def set_gemv_norm(self, enabled: bool) -> None:
-        """With the GEMV: add + RMSNorm folded into the projections around it at single-token steps,
-        and steps of up to 16 tokens on models at most 1024 wide (GemvOps fuse_norm / norm_bound:
-        two kernels fewer per layer, RMSNorm's value but not the separate kernel's bits); one rank,
-        no o / MLP bias, bf16 / fp32 only, else ignored. On by default."""
+        """With the GEMV: add + RMSNorm folded into the projections around it at steps of up to 16
+        tokens (GemvOps fuse_norm / norm_bound: two kernels fewer per layer, RMSNorm's value but not
+        the separate kernel's bits); one rank, no o / MLP bias, bf16 / fp32 only, else ignored. On
+        by default."""
         self.gemv_norm = enabled
         self._choose_ops()
 

@@ -77,17 +77,21 @@ def test_graph_variants_name_a_kernel_set_and_a_servers_graph_bounds():
     assert variant_arg("default@4096+256") == "default@4096+256"
 
 
-def test_kernel_set_norm_m16_fuses_the_norm_up_to_16_token_steps():
+def test_kernel_sets_of_the_norm_fusion():
     import torch
     from common import kernel_set
+    from specdec.kernels import gemv
     from specdec.models.loader import build_model
     from tests.helpers.op_sets import tiny_config
     model = build_model(tiny_config(), torch.float32, "cpu")
-    with kernel_set(model, "norm_m16"):
-        assert model.ops.fuse_norm and model.ops.norm_max_m == 16
+    with kernel_set(model, "norm_m1"):
+        assert model.ops.fuse_norm and model.ops.norm_max_m == 1
     with kernel_set(model, "default"):
         assert model.ops.fuse_norm and model.ops.norm_max_m is None   # GemvOps.norm_bound's rule
-        assert model.ops.norm_ahead
+        assert model.ops.norm_ahead and gemv.consumer_pdl.value is None
+    with kernel_set(model, "consumer_pdl"):
+        assert gemv.consumer_pdl.value is True and gemv.consumer_launch_pdl(5, 4096)
+    assert gemv.consumer_pdl.value is None                           # put back after the block
     with kernel_set(model, "norm_m1_late"):                           # the default before session 24
         assert model.ops.fuse_norm and model.ops.norm_max_m == 1 and not model.ops.norm_ahead
     with kernel_set(model, "no_norm"):

@@ -125,22 +125,107 @@ def test_pending_norm_hands_its_consumer_the_weighted_stream():
         PendingNorm(r, norm, w).consumed()[1](r)
 
 
-def test_by_default_narrow_streams_fuse_steps_of_up_to_16_tokens():
-    """norm_max_m None (the default): 1-token steps take the fusion at any width; 2..16-token steps
-    only where the residual stream is at most NARROW_NORM_N wide (the small drafts); more than 16
-    never. An explicit norm_max_m decides alone."""
+def test_by_default_steps_of_up_to_16_tokens_fuse_at_any_width():
+    """norm_max_m None (the default): steps of 1..16 tokens take the fusion, narrow or wide; more
+    than 16 never. An explicit norm_max_m decides alone."""
     from specdec.kernels.gemv import NARROW_NORM_N, GemvOps, RowLinear, SERVE_MAX_M
     from specdec.models.llama import TorchLayerOps
     ops = GemvOps(TorchLayerOps(), on_cpu=True, fuse_norm=True)
-    assert ops.norm_max_m is None
+    assert ops.norm_max_m is None and ops.norm_bound() == SERVE_MAX_M
     narrow, wide = torch.zeros(NARROW_NORM_N, 8), torch.zeros(NARROW_NORM_N + 8, 8)
-    for m, want_narrow, want_wide in ((1, True, True), (2, True, False), (SERVE_MAX_M, True, False),
-                                      (SERVE_MAX_M + 1, False, False)):
+    for m, want in ((1, True), (2, True), (SERVE_MAX_M, True), (SERVE_MAX_M + 1, False)):
         x = torch.zeros(m, 8)
-        assert isinstance(ops.row_linear(x, narrow), RowLinear) == want_narrow, m
-        assert isinstance(ops.row_linear(x, wide), RowLinear) == want_wide, m
+        assert isinstance(ops.row_linear(x, narrow), RowLinear) == want, m
+        assert isinstance(ops.row_linear(x, wide), RowLinear) == want, m
     with gemv_module.serve_max_m_forced(64):   # the GEMV serving more rows does not widen the fusion
         assert not isinstance(ops.row_linear(torch.zeros(SERVE_MAX_M + 1, 8), narrow), RowLinear)
     ops.norm_max_m = 1
-    assert not isinstance(ops.row_linear(torch.zeros(2, 8), narrow), RowLinear)
-    assert ops.norm_bound(8) == 1 and ops.norm_bound(NARROW_NORM_N + 8) == 1
+    assert not isinstance(ops.row_linear(torch.zeros(2, 8), wide), RowLinear)
+    assert ops.norm_bound() == 1
+
+
+def test_wide_consumers_of_several_rows_skip_pdl():
+    """gemv.consumer_launch_pdl: by default every norm consumer takes PDL but those of 2.. rows over
+    a stream wider than NARROW_NORM_N; forced True / False decides alone; anything else is refused.
+    And gemv() launches such a consumer without PDL where PDL is on (the launch's options seen by a
+    stand-in kernel), and every other GEMV with it."""
+    from specdec.kernels.gemv import NARROW_NORM_N, consumer_launch_pdl, consumer_pdl
+    assert consumer_pdl.value is None
+    assert consumer_launch_pdl(1, NARROW_NORM_N + 16) and consumer_launch_pdl(16, NARROW_NORM_N)
+    assert not consumer_launch_pdl(2, NARROW_NORM_N + 16) and not consumer_launch_pdl(16, 4096)
+    with consumer_pdl.forced(True):
+        assert consumer_launch_pdl(5, 4096)
+    with consumer_pdl.forced(False):
+        assert not consumer_launch_pdl(1, 768)
+    for bad in (1, 0, "yes"):
+        with pytest.raises(ValueError, match="consumer PDL"):
+            consumer_pdl.set(bad)
+    assert consumer_pdl.value is None
+
+    launches = []
+
+    class Kernel:   # records each launch's PDL options instead of running
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((kw["USE_PDL"], kw["launch_pdl"]))
+
+    def run(m, k, norm):
+        x, w = torch.zeros(m, k), torch.zeros(32, k)
+        sums = NormInput(torch.ones(4, m), None, 1e-5) if norm else None
+        launches.clear()
+        gemv(x, w, config=GemvConfig(1 if m == 1 else 16, 16, 16), norm=sums)
+        return launches[0]
+
+    wide = NARROW_NORM_N + 16
+    orig_kernel, orig_options = gemv_module._gemv_kernel, gemv_module.pdl.options
+    gemv_module._gemv_kernel = Kernel()
+    gemv_module.pdl.options = lambda device: {"USE_PDL": True, "launch_pdl": True}
+    try:
+        assert run(5, wide, norm=True) == (False, False)
+        assert run(5, NARROW_NORM_N, norm=True) == (True, True)
+        assert run(1, wide, norm=True) == (True, True)
+        assert run(5, wide, norm=False) == (True, True)
+        with consumer_pdl.forced(True):
+            assert run(5, wide, norm=True) == (True, True)
+    finally:
+        gemv_module._gemv_kernel, gemv_module.pdl.options = orig_kernel, orig_options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_wide_consumer_off_pdl_in_a_graph_keeps_its_bits(m):
+    """On the H200 (PDL on): a producer and a norm consumer over a stream wider than NARROW_NORM_N,
+    the consumer launched without PDL at 5 and 16 rows (with it at 1), as the servers' graphs run
+    them: eager and graphed replays give the bits of every consumer forced onto PDL, new inputs
+    each replay (a consumer reading the producer's stream before it was written would differ or
+    show the NaN left in it)."""
+    from specdec.kernels.gemv import NARROW_NORM_N, consumer_pdl
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(m)
+    k, n, n2 = 512, NARROW_NORM_N + 64, 3 * 256
+    x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dev, torch.bfloat16)
+    res = torch.randn(m, n, generator=gen).to(dev, torch.bfloat16)
+    nw = (1 + 0.3 * torch.randn(n, generator=gen)).to(dev, torch.bfloat16)
+    w2 = (torch.randn(n2, n, generator=gen) * 0.05).to(dev, torch.bfloat16)
+
+    def pair():
+        r, sums, rw = gemv(x, w, residual=res, norm_weight=nw)
+        return gemv(rw, w2, norm=NormInput(sums, None, 1e-5))
+
+    gemv_module._counters(dev)          # made before any capture
+    with consumer_pdl.forced(True):
+        want = pair()
+    got = pair()
+    assert gemv_module.consumer_launch_pdl(m, n) == (m == 1)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(want)
+    with torch.cuda.graph(graph):
+        static.copy_(pair())
+    for i in range(5):
+        x.copy_(torch.randn(m, k, generator=gen).to(dev, torch.bfloat16))
+        with consumer_pdl.forced(True):
+            want = pair()
+        static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, want), i
