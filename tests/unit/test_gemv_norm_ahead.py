@@ -159,7 +159,8 @@ def test_wide_consumers_of_several_rows_skip_pdl():
         assert not consumer_launch_pdl(1, 768)
     for bad in (1, 0, "yes"):
         with pytest.raises(ValueError, match="consumer PDL"):
-            consumer_pdl.set(bad)
+            with consumer_pdl.forced(bad):   # checked before anything changes
+                pass
     assert consumer_pdl.value is None
 
     launches = []
@@ -229,3 +230,24 @@ def test_wide_consumer_off_pdl_in_a_graph_keeps_its_bits(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static, want), i
+
+
+@pytest.mark.gpu
+def test_graphed_model_with_consumers_off_pdl_gives_the_same_logits():
+    """The chain the rule makes in a forward: producer GEMV (PDL) -> norm consumer without PDL ->
+    RoPE + KV store (PDL, loading cos / sin and slots before its wait) -> attention. A graphed
+    model with every consumer off PDL against one with every consumer on it: the same logits bit
+    for bit (the launches differ, the arithmetic does not), graphed decode steps replayed."""
+    from specdec.kernels.gemv import consumer_pdl
+    model = init_random(build_model(tiny_config(), torch.bfloat16, "cuda"), std=0.05)
+    assert model.ops.fuse_norm
+    gemv_module._counters(torch.device("cuda"))
+    got = {}
+    for flag in (False, True):
+        with consumer_pdl.forced(flag):
+            runner = new_runner(model, torch.bfloat16)
+            runner.enable_cuda_graphs(max_model_len=64, query_lens=(1,), batch_sizes=(2,))
+            got[flag] = run_steps(runner)
+            assert runner.graphs.replays > 0
+    for off, on in zip(got[False], got[True]):
+        assert torch.isfinite(off).all() and torch.equal(off, on)
