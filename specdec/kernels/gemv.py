@@ -396,8 +396,16 @@ def _consumer_pdl_mode(value: bool | None) -> bool | None:
 # of more than one row on a stream wider than NARROW_NORM_N is launched without PDL: it starts once
 # the producer has finished, as in plain stream order (the kernel after it may still take PDL:
 # everything before its predecessor has then finished). consumer_pdl.forced(True / False) makes
-# every consumer take / skip PDL, for A/B runs. Read at launch (a CUDA graph keeps what it captured).
-consumer_pdl: Switch[bool | None] = Switch(None, _consumer_pdl_mode)
+# every consumer take / skip PDL, for A/B runs; in a server, SPECDEC_GEMV_CONSUMER_PDL=1 / 0 does
+# (unset: the rule). Read at launch (a CUDA graph keeps what it captured).
+def _env_consumer_pdl() -> bool | None:
+    value = os.environ.get("SPECDEC_GEMV_CONSUMER_PDL", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"SPECDEC_GEMV_CONSUMER_PDL={value!r}: expected 0, 1 or unset")
+    return None if value == "" else value == "1"
+
+
+consumer_pdl: Switch[bool | None] = Switch(_env_consumer_pdl(), _consumer_pdl_mode)
 
 
 def consumer_launch_pdl(m: int, k: int) -> bool:

@@ -191,6 +191,23 @@ def test_wide_consumers_of_several_rows_skip_pdl():
         gemv_module._gemv_kernel, gemv_module.pdl.options = orig_kernel, orig_options
 
 
+def test_consumer_pdl_from_the_environment():
+    """A server's processes take SPECDEC_GEMV_CONSUMER_PDL (1 / 0: every consumer on / off PDL,
+    unset: the rule), so an e2e A/B can set it per side; anything else stops the import."""
+    import os
+    import subprocess
+    import sys
+    code = "from specdec.kernels import gemv; print(gemv.consumer_pdl.value)"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    seen = {}
+    for value in ("1", "0", "", "yes"):
+        env = {**os.environ, "SPECDEC_GEMV_CONSUMER_PDL": value}
+        seen[value] = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                                     capture_output=True, text=True, timeout=120)
+    assert [seen[v].stdout.strip() for v in ("1", "0", "")] == ["True", "False", "None"]
+    assert seen["yes"].returncode != 0 and "SPECDEC_GEMV_CONSUMER_PDL" in seen["yes"].stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_wide_consumer_off_pdl_in_a_graph_keeps_its_bits(m):
