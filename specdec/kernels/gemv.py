@@ -512,7 +512,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm_weight is not None:
         rw, nw = torch.empty_like(y), norm_weight.contiguous()
     launch = pdl.options(x.device)
-    own = launch if norm is None or consumer_launch_pdl(m, k) else {"USE_PDL": False, "launch_pdl": False}
+    own = pdl.options(x.device, norm is None or consumer_launch_pdl(m, k))
     _gemv_kernel[(n_tiles * m_tiles, split)](
         x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, rw, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,

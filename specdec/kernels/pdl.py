@@ -72,10 +72,10 @@ def active(device: torch.device) -> bool:
     return _enabled.value and _supported(device)
 
 
-def options(device: torch.device) -> dict:
+def options(device: torch.device, allowed: bool = True) -> dict:
     """Keyword arguments for a kernel launch: the kernel's USE_PDL constexpr and Triton's
-    launch_pdl option, both on or both off."""
-    on = active(device)
+    launch_pdl option, both on or both off (off where the caller does not allow it)."""
+    on = allowed and active(device)
     return {"USE_PDL": on, "launch_pdl": on}
 
 
