@@ -22,7 +22,8 @@ e2e.py reports "transport" per step: the coordinator's step time minus both serv
   is off the path);
 - server Python: a step through the target's and the draft's servicer step functions with the model
   forward replaced by constant logits (server_python_us): conversion, validation, admission,
-  batch preparation, acceptance and results, on the CPU path.
+  batch preparation, acceptance and results, on the CPU path and on the GPU servers' graph path
+  (CPU stand-ins for the graphs over a model that costs nothing: staging, chains, head graphs).
 Medians over --steps steps after a warm-up. Writes bench/results/hostpath.json.
 """
 from __future__ import annotations
@@ -243,12 +244,36 @@ async def loop_step_us(batch: int, steps: int, delay: float = 0.0) -> float:
 PYTHON_SHAPE = dict(TINY_TARGET, vocab_size=256)  # a vocabulary small enough that the CPU argmax is nothing
 
 
-def server_python_us(role: str, batch: int, steps: int) -> float:
+def _nothing() -> None:
+    pass
+
+
+class _FreeModel:
+    """A model whose forward costs nothing: zero logits for the batch's logit rows (every row
+    when the batch asks for all), the same tensor each time."""
+
+    def __init__(self, model):
+        self.config, self.vocab, self._zeros = model.config, model.config.vocab_size, {}
+
+    def __call__(self, batch, kv=None, backend=None, out=None):
+        if out is not None:
+            return out.zero_()
+        n = batch.logits_indices.numel()
+        if n not in self._zeros:
+            import torch
+            self._zeros[n] = torch.zeros(n, self.vocab)
+        return self._zeros[n]
+
+
+def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, seen: dict | None = None) -> float:
     """Host microseconds of one step through a servicer's step function (pb request -> engine ->
     pb response: conversion, validation, admission, batch preparation, acceptance, results) with
-    the model forward replaced by constant logits: the Python a server adds to a step. On the CPU
-    the runner prepares eager batches and the draft loops over its positions (the GPU stages a
-    graph and chains them), so those parts are the CPU path's."""
+    the model forward replaced by constant logits: the Python a server adds to a step.
+    graphed=False: the CPU path (the runner prepares eager batches and the draft loops over its
+    positions). graphed=True: the path a GPU server runs, on tests/helpers' CPU stand-ins for CUDA
+    graphs over a model that costs nothing: steps staged into the graphs' static inputs, the
+    draft's chains and head graphs, the verify's argmax rows from the graph's output.
+    seen: filled with the timed steps' graph replays and eager forwards (what path they took)."""
     import torch
     from draft_server.servicer import propose
     from specdec.config import EngineConfig
@@ -260,8 +285,21 @@ def server_python_us(role: str, batch: int, steps: int) -> float:
     config = EngineConfig(model=folder, random_weights=True, max_model_len=4096, num_blocks=4096)
     engine = (TargetEngine if role == "target" else DraftEngine)(config)
     vocab = PYTHON_SHAPE["vocab_size"]
-    engine.runner.forward = lambda b, argmax=False: (torch.zeros(b.logits_indices.numel(), dtype=torch.int64) if argmax
-                                                     else torch.zeros(b.logits_indices.numel(), vocab))
+    if graphed:
+        sys.path.insert(0, str(ROOT))   # tests.helpers, from the checkout this script runs in
+        from tests.helpers.cpu_graphs import CpuGraphs
+        engine.runner.model = _FreeModel(engine.runner.model)   # before the graphs take the runner's model
+        graphs = engine.runner.graphs = CpuGraphs(engine.runner, max_model_len=config.max_model_len,
+                                                  query_lens=engine.graph_query_lens(), batch_sizes=(batch,),
+                                                  chains=engine.graph_chains)
+        # Replays cost nothing either: on the GPU they are launches of work the device does (the
+        # stand-ins would run the chain's and head's input updates as CPU ops).
+        for replayed in ([g.graph for g in graphs.graphs.values()] + [c.graph for c in graphs.chains.values()]
+                         + list(graphs.heads.values())):
+            replayed.replay = _nothing
+    else:
+        engine.runner.forward = lambda b, argmax=False: (torch.zeros(b.logits_indices.numel(), dtype=torch.int64)
+                                                         if argmax else torch.zeros(b.logits_indices.numel(), vocab))
     step_fn = verify if role == "target" else propose
 
     def request(step: int, first: bool):
@@ -278,15 +316,24 @@ def server_python_us(role: str, batch: int, steps: int) -> float:
                            sampling=pb.SamplingParams(seed=j), first=first)
         return r
     samples = []
+    replays = eager = 0
     for i in range(steps):
         if i % 100 == 0:  # short sequences: release and start them again
             engine.release(range(batch))
             step_fn(engine, request(i, True))
             continue
         req = request(i, False)
+        r0, e0 = engine.graph_replays, engine.eager_forwards
         t0 = time.perf_counter()
-        step_fn(engine, req)
+        response, _ = step_fn(engine, req)
         samples.append(time.perf_counter() - t0)
+        replays += engine.graph_replays - r0
+        eager += engine.eager_forwards - e0
+        failed = [r.error.message for r in response.results if r.HasField("error")]
+        if failed:
+            raise RuntimeError(f"{role} step {i} failed: {failed[0]}")
+    if seen is not None:
+        seen.update(replays=replays, eager=eager, steps=len(samples))
     return median_us(samples)
 
 
@@ -295,12 +342,15 @@ def loop_rows(batches: list[int], steps: int) -> list[dict]:
     return [{"batch": b, "loop_step_us": asyncio.run(loop_step_us(b, steps)),
              "loop_critical_us": asyncio.run(loop_step_us(b, steps, delay=SERVER_DELAY_S)),
              "target_python_us": server_python_us("target", b, steps),
-             "draft_python_us": server_python_us("draft", b, steps)} for b in batches]
+             "draft_python_us": server_python_us("draft", b, steps),
+             "target_graphed_us": server_python_us("target", b, steps, graphed=True),
+             "draft_graphed_us": server_python_us("draft", b, steps, graphed=True)} for b in batches]
 
 
 # loop_rows' figures, as loop_ab's table names them
 LOOP_FIGURES = {"loop_step_us": "loop", "loop_critical_us": "critical", "target_python_us": "target py",
-                "draft_python_us": "draft py"}
+                "draft_python_us": "draft py", "target_graphed_us": "target graphed py",
+                "draft_graphed_us": "draft graphed py"}
 
 
 def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
@@ -414,7 +464,9 @@ def main() -> int:
                        ("loop_step_us", "coordinator loop us/step", ".0f"),
                        ("loop_critical_us", "of it between server calls", ".0f"),
                        ("target_python_us", "target Python us/step", ".0f"),
-                       ("draft_python_us", "draft Python us/step", ".0f")]))
+                       ("draft_python_us", "draft Python us/step", ".0f"),
+                       ("target_graphed_us", "same, graph path", ".0f"),
+                       ("draft_graphed_us", "draft, graph path", ".0f")]))
     print(f"wrote {path}")
     return 0
 

@@ -46,6 +46,12 @@ class BlockManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         return list(self._get(seq_id).blocks)
 
+    def held(self, seq_id: Hashable) -> SeqBlocks:
+        """The sequence's live record (its block list and token count), for reading on a step's
+        hot path without a copy per call: read it before the sequence changes again, never
+        change it (append / truncate / free do)."""
+        return self._get(seq_id)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -63,15 +69,17 @@ class BlockManager:
         if n < 0:
             raise ValueError(f"cannot append {n} tokens")
         seq = self._get(seq_id)
-        extra = self._extra_blocks(seq_id, n)
-        if extra > self.num_free:
-            raise OutOfBlocks(f"sequence {seq_id!r} needs {extra} more KV blocks, {self.num_free} free "
-                              f"of {self.num_blocks}")
-        for _ in range(extra):
-            seq.blocks.append(self._free.pop())
-        start, seq.num_tokens = seq.num_tokens, seq.num_tokens + n
-        bs = self.block_size
-        return [seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)]
+        start = seq.num_tokens
+        bs, blocks = self.block_size, seq.blocks
+        extra = -(-(start + n) // bs) - len(blocks)
+        if extra > 0:
+            if extra > len(self._free):
+                raise OutOfBlocks(f"sequence {seq_id!r} needs {extra} more KV blocks, {self.num_free} free "
+                                  f"of {self.num_blocks}")
+            for _ in range(extra):
+                blocks.append(self._free.pop())
+        seq.num_tokens = start + n
+        return [blocks[t // bs] * bs + t % bs for t in range(start, start + n)]
 
     def truncate(self, seq_id: Hashable, n: int) -> None:
         """Keep the first n tokens (rollback of rejected drafts); freed blocks return to the pool."""

@@ -128,23 +128,31 @@ class ModelRunner:
         """Reserves KV slots for every item's new tokens and `ahead` more per item (all or none;
         a chain's later steps, whose slots the graph finds in the block tables) and returns the
         step's host arrays: ids, positions, slots, query starts, context lengths, block tables
-        (after the reservation) and logit rows, with the query lengths and the widest table.
+        (after the reservation; the sequences' live lists, so the caller stages or copies them
+        before any sequence's KV changes again) and logit rows, with the query lengths and the
+        widest table.
         checked: the caller checked the reservation already (_reserve_need, _check_free)."""
         if not checked:
             self._reserve_check(items, ahead)
         ids, positions, slots, starts, ctx_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        query_lens = []
+        blocks = self.blocks
+        end = width = 0
         for item in items:
-            start = self.blocks.num_tokens(item.seq_id)
+            held = blocks.held(item.seq_id)
+            start = held.num_tokens
             n = len(item.token_ids)
-            slots += self.blocks.append(item.seq_id, n + ahead)[:n]
+            slots += blocks.append(item.seq_id, n + ahead)[:n]
             ids += item.token_ids
             positions += range(start, start + n)
-            logit_rows += range(starts[-1] + n - item.num_logits, starts[-1] + n)
-            starts.append(starts[-1] + n)
+            logit_rows += range(end + n - item.num_logits, end + n)
+            end += n
+            starts.append(end)
             ctx_lens.append(start + n)
-            tables.append(self.blocks.block_table(item.seq_id))
-        width = max(len(t) for t in tables)
-        query_lens = [len(i.token_ids) for i in items]
+            query_lens.append(n)
+            tables.append(held.blocks)   # live: staged (copied) by the caller before the KV changes again
+            if len(held.blocks) > width:
+                width = len(held.blocks)
         return ids, positions, slots, starts, ctx_lens, tables, logit_rows, query_lens, width
 
     def prepare(self, items: Sequence[SeqInput], graphs: bool = True) -> ForwardBatch:
@@ -273,9 +281,9 @@ class ModelRunner:
             seen.add(item.seq_id)
             if item.seq_id not in self.blocks:
                 raise KeyError(f"unknown sequence {item.seq_id!r}")
-            have = self.blocks.num_tokens(item.seq_id)
-            blocks = self.blocks.blocks_needed(have + len(item.token_ids) + ahead)
-            need += blocks - len(self.blocks.block_table(item.seq_id))
+            held = self.blocks.held(item.seq_id)
+            blocks = self.blocks.blocks_needed(held.num_tokens + len(item.token_ids) + ahead)
+            need += blocks - len(held.blocks)
             if blocks > width:
                 width = blocks
         return need, width

@@ -242,7 +242,7 @@ class ModelEngine:
 
     def blocks_to_grow(self, seq_id: int, kv_len_after: int) -> int:
         blocks = self.runner.blocks
-        have = len(blocks.block_table(seq_id)) if seq_id in blocks else 0
+        have = len(blocks.held(seq_id).blocks) if seq_id in blocks else 0
         return max(0, blocks.blocks_needed(kv_len_after) - have)
 
     def admit(self, seq_id: int, need: int, available: int) -> Admission:

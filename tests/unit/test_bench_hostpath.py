@@ -29,3 +29,15 @@ def test_the_loop_and_the_servers_python_run_and_take_time():
     assert 0 < whole < 1e5 and 0 < critical < 1e5
     for role in ("target", "draft"):
         assert 0 < hostpath.server_python_us(role, 2, steps) < 1e5
+
+
+def test_the_servers_python_on_the_graph_path_replays_graphs_and_runs_nothing_eagerly():
+    """graphed=True times the GPU servers' path: every timed step is served by the (CPU stand-in)
+    graphs, none by an eager forward; the draft's γ positions come from its head graph and
+    chain (a fed chain of GAMMA forwards a step), the target's verify from one replay."""
+    steps = 40
+    for role, per_step in (("target", 1), ("draft", hostpath.GAMMA)):
+        seen = {}
+        assert 0 < hostpath.server_python_us(role, 2, steps, graphed=True, seen=seen) < 1e5
+        assert seen["eager"] == 0 and seen["steps"] == steps - 1
+        assert seen["replays"] == per_step * seen["steps"], (role, seen)
