@@ -44,6 +44,9 @@ KERNEL_SETS = {
     # every norm consumer on PDL (gemv.consumer_pdl; the default launches consumers of 2..16 rows on
     # streams wider than gemv.NARROW_NORM_N without it): what the fusion lost on wide models before
     "consumer_pdl": dict(fused=True, gemv=True, pdl=True, norm=True, consumer_pdl=True),
+    # the consumers launched without PDL do not let the next kernel launch before they end
+    # (gemv.consumer_trigger; the default triggers it once their K loop is done)
+    "consumer_no_trigger": dict(fused=True, gemv=True, pdl=True, norm=True, consumer_trigger=False),
     # the norm fusion with the consumer multiplying x by the norm weight on its K steps instead of
     # the producer writing the weighted stream (GemvOps.norm_ahead); m1: at 1-token steps only,
     # whatever the width (both: the default before session 24)
@@ -86,7 +89,8 @@ def kernel_set(model, name: str):
           gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M)),
           triton_attention.merge_warps.forced(chosen.get("merge_warps", 0)),
           triton_attention.small_split_tiles.forced(chosen.get("small_split", True)),
-          gemv.consumer_pdl.forced(chosen.get("consumer_pdl"))):
+          gemv.consumer_pdl.forced(chosen.get("consumer_pdl")),
+          gemv.consumer_trigger.forced(chosen.get("consumer_trigger", True))):
         yield
 
 

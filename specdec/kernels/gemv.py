@@ -111,7 +111,8 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, RW, M, N, K, k_per_split, strid
                  UPCAST: tl.constexpr, USE_PDL: tl.constexpr, GLU: tl.constexpr,
                  RES_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
                  INLINE_REDUCE: tl.constexpr = False, M_TILES: tl.constexpr = 1,
-                 RES_WEIGHTED: tl.constexpr = False, NORM_W: tl.constexpr = True):
+                 RES_WEIGHTED: tl.constexpr = False, NORM_W: tl.constexpr = True,
+                 LATE_TRIGGER: tl.constexpr = False):
     """N output columns. GLU: W has 2N rows (gate, then up); a program's BLOCK_N rows are the gate
     rows of its BLOCK_N / 2 output columns and their up rows, and it writes SiLU(gate) * up.
     RES_OUT (no GLU): Y = residual R + x @ W^T, and per-program sums of squares into SS (split over
@@ -126,7 +127,9 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, RW, M, N, K, k_per_split, strid
     Both load what their epilogue needs (the residual tile; the partial sums) before the K loop, so
     that load's latency hides behind the weight stream instead of following it.
     M_TILES: M > BLOCK_M rows in M_TILES tiles of BLOCK_M, each its own program over the same W
-    tile (sums of squares stay one per N tile: the M tiles write disjoint rows of it)."""
+    tile (sums of squares stay one per N tile: the M tiles write disjoint rows of it).
+    LATE_TRIGGER (launched without PDL): let the next kernel launch once this program's K loop
+    is done, so that it becomes resident during the epilogues and the last wave's tail."""
     pdl.enter(USE_PDL)
     # Axis 0 walks the (N tile, M tile) pairs with the M tiles of one N tile adjacent: programs
     # started together read the same W rows, so the M tiles after the first find them in L2.
@@ -203,6 +206,7 @@ def _gemv_kernel(X, W, B, Y, WS, CNT, R, SS, NW, RW, M, N, K, k_per_split, strid
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+    pdl.trigger(LATE_TRIGGER)
     if NORM_IN:   # RMSNorm's 1 / RMS, a per-row factor: after the sum (split partials alike)
         acc = acc * _norm_scale(sums, SS, M, num_parts, K, eps, offs_m, m_ok, BLOCK_P)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -415,6 +419,17 @@ def consumer_launch_pdl(m: int, k: int) -> bool:
     return m == 1 or k <= NARROW_NORM_N
 
 
+# A consumer launched without PDL (consumer_launch_pdl False, PDL on) lets the kernel after it
+# (RoPE + KV store after qkv, SiLU after gate_up) launch once its K loop is done (LATE_TRIGGER):
+# without it that kernel's launch waits for the consumer's end. H200, bench/timeline.py at ctx 256
+# in the servers' graphs (@4096+256), both orders (bench/results/logs/s28/call2_tl_*), replay span
+# in us with / without: 7B verify b 1 q 5 3858 / 3861 vs 3874 / 3872, 7B decode b 8 4201 / 4195 vs
+# 4226 / 4215, TinyLlama b 1 q 5 1004 / 1006 vs 1013 / 1017, b 8 1006 / 1009 vs 1021 / 1021; steps
+# without such a consumer (one row, cuBLAS above 16) unchanged. consumer_trigger.forced(False)
+# turns it off for A/B runs. Read at launch.
+consumer_trigger: Switch[bool] = Switch(True, bool)
+
+
 def _counters(device: torch.device) -> torch.Tensor:
     """The inline reduce's arrival counts on `device` (kernels/counters.py)."""
     return arrival_counters(device, MAX_SPLIT_TILES)
@@ -513,6 +528,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         rw, nw = torch.empty_like(y), norm_weight.contiguous()
     launch = pdl.options(x.device)
     own = pdl.options(x.device, norm is None or consumer_launch_pdl(m, k))
+    late = consumer_trigger.value and launch["USE_PDL"] and not own["USE_PDL"]
     _gemv_kernel[(n_tiles * m_tiles, split)](
         x, weight, b, y, ws, _counters(x.device) if inline else y, res, ss, nw, rw, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), parts, eps,
@@ -521,7 +537,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         UPCAST=x.dtype == torch.float32 or x.device.type == "cpu", GLU=glu,
         RES_OUT=residual is not None and (split == 1 or inline), NORM_IN=norm is not None, BLOCK_P=block_p,
         INLINE_REDUCE=inline, M_TILES=m_tiles, RES_WEIGHTED=norm_weight is not None and (split == 1 or inline),
-        NORM_W=norm is not None and norm.weight is not None,
+        NORM_W=norm is not None and norm.weight is not None, LATE_TRIGGER=late,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **own)
     if split > 1 and not inline:
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](

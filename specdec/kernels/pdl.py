@@ -12,7 +12,8 @@ store. So nothing reads a predecessor's output early or overwrites memory a pred
 reads, and because each kernel's completion implies its predecessor's (it waited for it), the
 ordering of the whole chain is the stream's. Kernels launched without the attribute (torch's,
 cuBLAS, and the GEMV's norm consumers of 2..16 rows on wide models: gemv.consumer_pdl) keep plain
-stream order.
+stream order; such a consumer may still `trigger` its successor once its K loop is done
+(gemv.consumer_trigger).
 
 One process-wide switch, read at launch: CUDA graphs keep what they were captured with. Default
 on for compute capability >= 9; `SPECDEC_PDL=0` or `set_enabled(False)` (the servers'
@@ -60,6 +61,15 @@ def enter(USE_PDL: tl.constexpr):
     """Wait for the previous kernel in the stream, then let the next one start launching."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def trigger(ON: tl.constexpr):
+    """Let the next kernel start launching, from a kernel launched without PDL (it started after
+    its predecessor had finished, so a successor resident from here still finds everything before
+    this kernel finished; the successor's own enter() waits for this one)."""
+    if ON:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -72,6 +72,11 @@ def variants():
                  INLINE_REDUCE=split > 1, RES_WEIGHTED=res, NORM_W=False)
         yield (f"gemv M{bm} split{split} ahead residual={res} norm={norm} glu={glu}", gemv._gemv_kernel, gemv_types,
                c, warps, stages)
+    for split in (1, 4):   # a wide stream's 2..16-row norm consumer: launched without PDL, late trigger
+        c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT=split, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
+                 USE_PDL=False, GLU=False, RES_OUT=False, NORM_IN=True, BLOCK_P=gemv.PARTS_AHEAD[16],
+                 INLINE_REDUCE=split > 1, NORM_W=False, LATE_TRIGGER=True)
+        yield f"gemv M16 split{split} norm consumer late trigger", gemv._gemv_kernel, gemv_types, c, 4, 5
     for split, res in ((1, False), (4, False), (4, True)):   # 40 rows in three 16-row tiles
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT=split, HAS_BIAS=False, EVEN_K=True, UPCAST=False,
                  USE_PDL=True, GLU=False, RES_OUT=res, NORM_IN=False, BLOCK_P=16, INLINE_REDUCE=split > 1,

@@ -167,7 +167,7 @@ def test_wide_consumers_of_several_rows_skip_pdl():
 
     class Kernel:   # records each launch's PDL options instead of running
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((kw["USE_PDL"], kw["launch_pdl"]))
+            return lambda *args, **kw: launches.append((kw["USE_PDL"], kw["launch_pdl"], kw["LATE_TRIGGER"]))
 
     def run(m, k, norm):
         x, w = torch.zeros(m, k), torch.zeros(32, k)
@@ -182,12 +182,18 @@ def test_wide_consumers_of_several_rows_skip_pdl():
     # PDL on, as on an H200 (the interpreter never has it); a launch gemv() does not allow stays off
     gemv_module.pdl.options = lambda device, allowed=True: {"USE_PDL": allowed, "launch_pdl": allowed}
     try:
-        assert run(5, wide, norm=True) == (False, False)
-        assert run(5, NARROW_NORM_N, norm=True) == (True, True)
-        assert run(1, wide, norm=True) == (True, True)
-        assert run(5, wide, norm=False) == (True, True)
+        # an off-PDL consumer triggers its successor after its K loop (consumer_trigger)
+        assert run(5, wide, norm=True) == (False, False, True)
+        assert run(5, NARROW_NORM_N, norm=True) == (True, True, False)
+        assert run(1, wide, norm=True) == (True, True, False)
+        assert run(5, wide, norm=False) == (True, True, False)
         with consumer_pdl.forced(True):
-            assert run(5, wide, norm=True) == (True, True)
+            assert run(5, wide, norm=True) == (True, True, False)
+        with gemv_module.consumer_trigger.forced(False):
+            assert run(5, wide, norm=True) == (False, False, False)
+        # PDL off for the whole process: nothing to trigger
+        gemv_module.pdl.options = lambda device, allowed=True: {"USE_PDL": False, "launch_pdl": False}
+        assert run(5, wide, norm=True) == (False, False, False)
     finally:
         gemv_module._gemv_kernel, gemv_module.pdl.options = orig_kernel, orig_options
 
