@@ -59,6 +59,9 @@ KERNEL_SETS = {
     # verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32
     "gemv_m64": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=64),
     # split plans without the small split tile (32 keys, 2 warps; triton_attention.small_split_tiles)
+    # the attention's keys in an unmasked loop and a masked one (triton_attention.single_key_loop;
+    # the default runs one masked loop: one software pipeline)
+    "two_key_loops": dict(fused=True, gemv=True, pdl=True, norm=True, single_key_loop=False),
     "no_small_split": dict(fused=True, gemv=True, pdl=True, norm=True, small_split=False),
     # the split merge at 4 warps whatever its size (the default before session 26; triton_attention.merge_warps)
     "merge_w4": dict(fused=True, gemv=True, pdl=True, norm=True, merge_warps=4),
@@ -89,6 +92,7 @@ def kernel_set(model, name: str):
           gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M)),
           triton_attention.merge_warps.forced(chosen.get("merge_warps", 0)),
           triton_attention.small_split_tiles.forced(chosen.get("small_split", True)),
+          triton_attention.single_key_loop.forced(chosen.get("single_key_loop", True)),
           gemv.consumer_pdl.forced(chosen.get("consumer_pdl")),
           gemv.consumer_trigger.forced(chosen.get("consumer_trigger", True))):
         yield

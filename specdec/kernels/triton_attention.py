@@ -159,6 +159,23 @@ def _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_l
 
 
 @triton.jit
+def _attend_keys(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, begin, end, kv_len, pos, scale_log2,
+                 stride_kb, stride_ks, stride_vb, stride_vs, ahead,
+                 PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT: tl.constexpr, PAGE_AHEAD: tl.constexpr):
+    """The key tiles from begin to end (one loop: one software pipeline), each tile's pages
+    loaded one tile ahead with PAGE_AHEAD; returns the running state and the next pages."""
+    for start in range(begin, end, BLOCK_N):
+        nxt = _tile_pages(bt_row, start + BLOCK_N, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
+                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, ahead,
+                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, MASKED, UPCAST, DOT, PAGE_AHEAD)
+        ahead = nxt
+    return acc, m_i, l_i, ahead
+
+
+@triton.jit
 def _paged_attention_kernel(
         Q, K, V, Out, Part, Counters, BlockTables, ContextLens, QueryStart,
         scale_log2, num_heads, num_splits, lse_offset,
@@ -167,7 +184,8 @@ def _paged_attention_kernel(
         G: tl.constexpr, QT: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, INLINE_MERGE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, HEADS_FIRST: tl.constexpr, EARLY_LOADS: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, HEADS_FIRST: tl.constexpr, EARLY_LOADS: tl.constexpr,
+        ONE_LOOP: tl.constexpr = False):
     if not EARLY_LOADS:
         pdl.enter(USE_PDL)
     if HEADS_FIRST:
@@ -200,8 +218,11 @@ def _paged_attention_kernel(
     per_split = tl.cdiv(n_tiles, num_splits)
     lo = split * per_split * BLOCK_N
     hi = tl.minimum(lo + per_split * BLOCK_N, kv_len)
-    # Keys < first_pos + t0 + 1 are visible to every row: no mask there.
-    unmasked_end = tl.minimum(tl.maximum((first_pos + t0 + 1) // BLOCK_N * BLOCK_N, lo), hi)
+    # Keys < first_pos + t0 + 1 are visible to every row: no mask there (ONE_LOOP: masks on all).
+    if ONE_LOOP:
+        unmasked_end = lo
+    else:
+        unmasked_end = tl.minimum(tl.maximum((first_pos + t0 + 1) // BLOCK_N * BLOCK_N, lo), hi)
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     # PAGE_AHEAD: each tile's page indices are loaded one tile earlier, so a tile's K/V addresses
     # never wait on a page-table read of the same iteration (both loops continue one chain).
@@ -225,20 +246,15 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_off_k = kvh * stride_kh
     kv_off_v = kvh * stride_vh
-    for start in range(lo, unmasked_end, BLOCK_N):
-        nxt = _tile_pages(bt_row, start + BLOCK_N, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
-                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, ahead,
-                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST, BLOCK_M >= 16,
-                                     PAGE_AHEAD)
-        ahead = nxt
-    for start in range(unmasked_end, hi, BLOCK_N):
-        nxt = _tile_pages(bt_row, start + BLOCK_N, kv_len, PAGE, BLOCK_N) if PAGE_AHEAD else 0
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, start, kv_len,
-                                     pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, ahead,
-                                     PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST, BLOCK_M >= 16,
-                                     PAGE_AHEAD)
-        ahead = nxt
+    if not ONE_LOOP:
+        acc, m_i, l_i, ahead = _attend_keys(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, lo, unmasked_end,
+                                            kv_len, pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+                                            ahead, PAGE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST, BLOCK_M >= 16,
+                                            PAGE_AHEAD)
+    acc, m_i, l_i, ahead = _attend_keys(acc, m_i, l_i, q, K, V, bt_row, kv_off_k, kv_off_v, unmasked_end, hi,
+                                        kv_len, pos, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+                                        ahead, PAGE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST, BLOCK_M >= 16,
+                                        PAGE_AHEAD)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]       # l == 0 only where a split saw no visible key
     dmask = offs_d[None, :] < HEAD_DIM
@@ -347,6 +363,16 @@ WIDE_32_ROW_KEYS = 512     # keys per program from which 32-row tiles take 128-k
 SMALL_SPLIT_KEYS = 256     # split programs with fewer keys than this, more than one per SM: small tiles
 # small_split_tiles.forced(False): plans without that rule, for A/B runs (read when a plan is made).
 small_split_tiles: Switch[bool] = Switch(True, bool)
+# One loop over a program's keys, every tile through the masked path, instead of an unmasked loop
+# and a second, masked one for the tiles the causal mask or kv_len cut. Two loops are two
+# software pipelines: the masked tile's K/V loads are not in flight while the last unmasked tiles
+# are consumed, and the second loop fills its pipeline from empty (a verify's last tile, and a
+# decode's wherever kv_len is no multiple of BLOCK_N). single_key_loop.forced(False): the two
+# loops, for A/B runs. Read at launch. Tiles of more than ONE_LOOP_MAX_M rows (prefill chunks,
+# long GQA verifies) keep the two loops: there the masked path's work per tile shows (H200,
+# call 3 of session 28: GQA b 64 ctx 8192 q 16, 64-row tiles, 635 vs 585 us).
+single_key_loop: Switch[bool] = Switch(True, bool)
+ONE_LOOP_MAX_M = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -556,7 +582,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         G=h // hkv, QT=qt, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, INLINE_MERGE=inline, UPCAST=upcast,
         PAGE_AHEAD=PAGE_AHEAD and block_n <= PAGE_AHEAD_MAX_BLOCK_N, HEADS_FIRST=heads_first,
-        EARLY_LOADS=pdl.EARLY_LOADS, num_warps=warps,
+        EARLY_LOADS=pdl.EARLY_LOADS, ONE_LOOP=single_key_loop.value and block_m <= ONE_LOOP_MAX_M, num_warps=warps,
         num_stages=stages, **launch)
     if split and not inline:
         _merge_splits_kernel[(t, h)](

@@ -94,11 +94,17 @@ def variants():
             [(True, True), (False, False)]):
         c = dict(G=g, QT=max(1, bm // g), PAGE=16, HEAD_DIM=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn,
                  SPLIT=split, INLINE_MERGE=inline, UPCAST=False, USE_PDL=True, PAGE_AHEAD=ahead,
-                 HEADS_FIRST=order[0], EARLY_LOADS=order[1])
+                 HEADS_FIRST=order[0], EARLY_LOADS=order[1], ONE_LOOP=True)
         yield (f"attention BM{bm} BN{bn} G{g} split={split} page_ahead={ahead} heads_first/early={order}",
                triton_attention._paged_attention_kernel, attn_types, c, 4, 3)
+    c = dict(G=1, QT=16, PAGE=16, HEAD_DIM=128, D_PAD=128, BLOCK_M=16, BLOCK_N=64, SPLIT=False,
+             INLINE_MERGE=False, UPCAST=False, USE_PDL=True, PAGE_AHEAD=True, HEADS_FIRST=True, EARLY_LOADS=True,
+             ONE_LOOP=False)
+    yield "attention BM16 BN64 two key loops (single_key_loop off)", \
+        triton_attention._paged_attention_kernel, attn_types, c, 4, 3
     c = dict(G=1, QT=16, PAGE=16, HEAD_DIM=128, D_PAD=128, BLOCK_M=16, BLOCK_N=32, SPLIT=True,
-             INLINE_MERGE=False, UPCAST=False, USE_PDL=True, PAGE_AHEAD=True, HEADS_FIRST=True, EARLY_LOADS=True)
+             INLINE_MERGE=False, UPCAST=False, USE_PDL=True, PAGE_AHEAD=True, HEADS_FIRST=True, EARLY_LOADS=True,
+             ONE_LOOP=True)
     yield "attention BM16 BN32 split, 2 warps (tile_config's small split tile)", \
         triton_attention._paged_attention_kernel, attn_types, c, 2, 3
     merge_types = {"Out": "*bf16", "Part": "*fp32"}

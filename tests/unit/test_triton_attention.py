@@ -56,6 +56,23 @@ def test_named_cases_match_reference(name, page_ahead, heads_first, monkeypatch)
     assert rel_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("page_ahead", [True, False])
+@pytest.mark.parametrize("name", ["ragged_gqa_unaligned", "group3_dpad_splits", "mha_prefill_tiles",
+                                  "wide_key_tiles"])
+def test_two_key_loops_match_reference(name, page_ahead, monkeypatch):
+    """single_key_loop (default on) runs every key tile through the masked path in one loop; the
+    A/B alternative, an unmasked loop then a masked one, must give the same reference results on
+    cases whose programs have unmasked tiles and masked ones (prefill chunks, splits, wide tiles)."""
+    monkeypatch.setattr(triton_attention, "PAGE_AHEAD", page_ahead)
+    qls, ctxs, h, hkv, d, bs, cfg, splits = CASES[name]
+    batch = random_paged_batch(qls, ctxs, h, hkv, d, bs, torch.float32, "cpu", seed=2)
+    assert triton_attention.single_key_loop.value is True
+    with triton_attention.single_key_loop.forced(False):
+        two, ref = run_both(batch, splits, cfg)
+    one, _ = run_both(batch, splits, cfg)
+    assert rel_error(two, ref) < 1e-5 and rel_error(one, ref) < 1e-5
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_ragged_shapes(seed):
     rng = random.Random(seed)
@@ -301,3 +318,26 @@ def test_small_split_tile_rule(monkeypatch):
     with triton_attention.small_split_tiles.forced(False):
         assert launch_plan(1, 32, 32, 128, 8, 1024, "cpu")["BLOCK_N"] == 64
     assert launch_plan(1, 32, 32, 128, 8, 1024, "cpu")["num_warps"] == 2
+
+
+def test_one_key_loop_for_tiles_up_to_32_rows(monkeypatch):
+    """The launch takes the single key loop (single_key_loop, default on) for tiles of up to
+    ONE_LOOP_MAX_M rows (decode and verify steps) and the two loops above (prefill chunks), and
+    never when the switch is off: the ONE_LOOP a stand-in kernel is launched with."""
+    seen = []
+
+    class Kernel:   # records each launch's ONE_LOOP instead of running
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw["BLOCK_M"], kw["ONE_LOOP"]))
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Kernel())
+
+    def launch(q_len, group=1):
+        batch = random_paged_batch([q_len], [q_len + 20], 2 * group, 2, 16, 4, torch.float32, "cpu", seed=3)
+        seen.clear()
+        run_both(batch, 1)
+        return seen[0]
+    assert triton_attention.ONE_LOOP_MAX_M == 32
+    assert launch(1) == (16, True) and launch(5) == (16, True) and launch(8, group=4) == (32, True)
+    assert launch(40) == (64, False) and launch(16, group=4) == (64, False)
+    with triton_attention.single_key_loop.forced(False):
+        assert launch(5) == (16, False)
