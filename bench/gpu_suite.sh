@@ -12,7 +12,7 @@
 #         anatomy (ANATOMY_ARGS), gaps (where the GPU waits in a speculative step; GAPS_ARGS), gaps-ab
 #         (GAPS_AB_BASE: another commit's packages against this tree, GAPS_AB_ROUNDS alternations), tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"; TIMELINE_ARGS:
-#         more timeline.py arguments, e.g. "--shapes llama-7b --query-lens 1 5"), attention-grid.
+#         more timeline.py arguments, e.g. "--shapes llama-7b --query-lens 1 5"), attention-grid, attention-loops.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
 #         Suggested calls (each < 10 min):
@@ -110,6 +110,7 @@ for s in "$@"; do
                 --kernel-sets ${TIMELINE_SETS:-default no_norm} ${TIMELINE_ARGS:-}; keep timeline.json ;;
     wakeup) run wakeup "${WAKEUP_S:-120}" python3 bench/wakeup.py; keep wakeup.json ;;
     hostpath) run hostpath "${HOSTPATH_S:-240}" python3 bench/hostpath.py; keep hostpath.json ;;
+    attention-loops) run attention-loops "${LOOPS_S:-150}" python3 bench/attention_loops.py; keep attention_loops.json ;;
     attention-grid) run attention-grid "${GRID_S:-150}" python3 bench/attention_grid.py; keep attention_grid.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
