@@ -58,10 +58,10 @@ KERNEL_SETS = {
     # the GEMV for steps of up to 64 rows (the default stops at gemv.SERVE_MAX_M = 16, cuBLAS above):
     # verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32
     "gemv_m64": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=64),
-    # split plans without the small split tile (32 keys, 2 warps; triton_attention.small_split_tiles)
     # the attention's keys in an unmasked loop and a masked one (triton_attention.single_key_loop;
     # the default runs one masked loop: one software pipeline)
     "two_key_loops": dict(fused=True, gemv=True, pdl=True, norm=True, single_key_loop=False),
+    # split plans without the small split tile (32 keys, 2 warps; triton_attention.small_split_tiles)
     "no_small_split": dict(fused=True, gemv=True, pdl=True, norm=True, small_split=False),
     # the split merge at 4 warps whatever its size (the default before session 26; triton_attention.merge_warps)
     "merge_w4": dict(fused=True, gemv=True, pdl=True, norm=True, merge_warps=4),

@@ -286,7 +286,8 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
     engine = (TargetEngine if role == "target" else DraftEngine)(config)
     vocab = PYTHON_SHAPE["vocab_size"]
     if graphed:
-        sys.path.insert(0, str(ROOT))   # tests.helpers, from the checkout this script runs in
+        if str(ROOT) not in sys.path:   # tests.helpers, from the checkout this script runs in
+            sys.path.insert(0, str(ROOT))
         from tests.helpers.cpu_graphs import CpuGraphs
         engine.runner.model = _FreeModel(engine.runner.model)   # before the graphs take the runner's model
         graphs = engine.runner.graphs = CpuGraphs(engine.runner, max_model_len=config.max_model_len,

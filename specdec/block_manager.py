@@ -71,7 +71,7 @@ class BlockManager:
         seq = self._get(seq_id)
         start = seq.num_tokens
         bs, blocks = self.block_size, seq.blocks
-        extra = -(-(start + n) // bs) - len(blocks)
+        extra = self.blocks_needed(start + n) - len(blocks)
         if extra > 0:
             if extra > len(self._free):
                 raise OutOfBlocks(f"sequence {seq_id!r} needs {extra} more KV blocks, {self.num_free} free "
