@@ -65,8 +65,11 @@ KERNEL_SETS = {
     "no_small_split": dict(fused=True, gemv=True, pdl=True, norm=True, small_split=False),
     # the split merge at 4 warps whatever its size (the default before session 26; triton_attention.merge_warps)
     "merge_w4": dict(fused=True, gemv=True, pdl=True, norm=True, merge_warps=4),
+    # torch's products (> 16 rows: the b 8 verify, the b 32 decode, prompts) on cuBLASLt, which
+    # skips cuBLAS's split-K reduce kernel at 32-40 rows (kernels/blas.py; the default is cuBLAS)
+    "blas_cublaslt": dict(fused=True, gemv=True, pdl=True, norm=True, blas="cublaslt"),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
-    "cublas": dict(fused=True, gemv=False, pdl=True),      # what the GEMV buys (and its norm fusion)
+    "cublas": dict(fused=True, gemv=False, pdl=True, blas="cublas"),  # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all
 }
 
@@ -75,7 +78,7 @@ KERNEL_SETS = {
 def kernel_set(model, name: str):
     """Switch `model` to a kernel set; capture its CUDA graphs inside the block (a graph keeps the
     kernels, and the launch attributes, it was captured with)."""
-    from specdec.kernels import gemv, pdl, triton_attention
+    from specdec.kernels import blas, gemv, pdl, triton_attention
     chosen = KERNEL_SETS[name]
     model.set_fused_kernels(chosen["fused"])
     model.set_gemv_kernels(chosen["gemv"])
@@ -94,7 +97,8 @@ def kernel_set(model, name: str):
           triton_attention.small_split_tiles.forced(chosen.get("small_split", True)),
           triton_attention.single_key_loop.forced(chosen.get("single_key_loop", True)),
           gemv.consumer_pdl.forced(chosen.get("consumer_pdl")),
-          gemv.consumer_trigger.forced(chosen.get("consumer_trigger", True))):
+          gemv.consumer_trigger.forced(chosen.get("consumer_trigger", True)),
+          blas.forced(chosen.get("blas", blas.DEFAULT)) if torch.cuda.is_available() else contextlib.nullcontext()):
         yield
 
 

@@ -220,6 +220,8 @@ class EngineConfig:
     gemv_kernels: bool | None = None  # Triton GEMV for linears of <= 16-token steps; None: on cuda
     pdl: bool | None = None           # programmatic dependent launch (kernels/pdl.py, process-wide);
                                       # None: leave the process default (on for Hopper+, SPECDEC_PDL=0 off)
+    blas: str | None = None           # on cuda, the library of torch's matrix products (kernels/blas.py:
+                                      # cublas or cublaslt); None: blas.DEFAULT (cublas)
     graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
     # Prompt-chunk bounds of the prefill graphs (steps mixing a prompt with decode/verify tokens,
@@ -253,6 +255,12 @@ class EngineConfig:
             raise ConfigError(f"max_num_draft must be in 1..256, got {self.max_num_draft}")
         if self.probs_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"probs_dtype: expected float16 or bfloat16, got {self.probs_dtype}")
+        if self.blas is not None:
+            from specdec.kernels.blas import check
+            try:
+                check(self.blas)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tp_all_reduce not in TP_ALL_REDUCE_MODES:

@@ -82,6 +82,9 @@ class ModelEngine:
         if config.pdl is not None and self.device.type == "cuda":
             from specdec.kernels import pdl  # process-wide; read at capture, so set before the graphs
             pdl.set_enabled(config.pdl)
+        if self.device.type == "cuda":
+            from specdec.kernels import blas  # process-wide, as PDL
+            blas.use(config.blas or blas.DEFAULT)
         if config.random_weights:  # benchmarks of a shape: no checkpoint to write, read or load
             self.model_config = ModelConfig.from_path(config.model)
             model = build_model(self.model_config, config.dtype, self.device, tp,

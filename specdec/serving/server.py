@@ -25,6 +25,7 @@ from protos.wire import MAX_MESSAGE_BYTES
 from specdec.busy_poll import BusyPoll
 from specdec.config import TP_ALL_REDUCE_MODES, ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
 from specdec.engine.base import ModelEngine
+from specdec.kernels.blas import LIBRARIES as BLAS_LIBRARIES
 from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
 from specdec import trace
@@ -161,6 +162,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
                    help="launch the Triton kernels without programmatic dependent launch (default: "
                         "with it on Hopper and newer GPUs; kernels/pdl.py)")
+    p.add_argument("--blas", choices=BLAS_LIBRARIES,
+                   help="on cuda, the library of the matrix products the Triton GEMV does not take (steps "
+                        "of > 16 tokens: verification at batch 8, prompts; default cublas; cublaslt's "
+                        "kernels at 32-40 rows skip cuBLAS's split-K reduce; kernels/blas.py)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
                                               "draft 1,2; target 1..min(max-num-draft, 8)+1)")
     p.add_argument("--graph-prefill-lens",
@@ -224,7 +229,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                                 if a.graph_prefill_lens == "none"
                                 else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
-            gemv_kernels=a.gemv_kernels, pdl=a.pdl, tensor_parallel_size=a.tensor_parallel_size,
+            gemv_kernels=a.gemv_kernels, pdl=a.pdl, blas=a.blas, tensor_parallel_size=a.tensor_parallel_size,
             tp_all_reduce=a.tp_all_reduce)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms,

@@ -90,6 +90,29 @@ def test_gemv_kernels_default_on_and_the_switch_off(tmp_path):
         assert engine.runner.model.gemv_kernels is want
 
 
+def test_cuda_engines_set_the_blas_library_before_their_graphs(tmp_path):
+    """kernels/blas.py: the library of EngineConfig.blas (blas.DEFAULT when None) is torch's
+    after the engine is made; a 40-row product (a batch-8 verify's, past the GEMV's rows) is
+    right on both."""
+    from specdec.kernels import blas
+    target_path, _ = make_pair(tmp_path)
+    before = blas.current()
+    try:
+        out = {}
+        for flag, want in (("cublaslt", "cublaslt"), (None, blas.DEFAULT), ("cublas", "cublas")):
+            engine = TargetEngine(EngineConfig(model=target_path, device="cuda", dtype=torch.bfloat16,
+                                               num_blocks=64, warmup_batch_sizes=(1,), blas=flag))
+            assert blas.current() == want
+            x = torch.randn(40, engine.model_config.hidden_size, device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator(device="cuda").manual_seed(0))
+            out[want] = torch.nn.functional.linear(x, x[:24])
+        ref = torch.nn.functional.linear(*(t.double() for t in (x, x[:24])))
+        for got in out.values():
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def test_info_names_the_gpu(tmp_path):
     """Info's device_uuids: what the coordinator's --pipeline auto compares (a GPU's UUID, the
     same for every process and container that uses it, and different for another GPU)."""

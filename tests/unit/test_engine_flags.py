@@ -66,3 +66,54 @@ def test_rank_devices_are_consecutive_gpus_from_rank_zeros(monkeypatch):
         rank_devices("cuda:3", 2)
     with pytest.raises(ConfigError, match=">= 1"):
         rank_devices("cpu", 0)
+
+
+def test_blas_flag_reaches_the_config_and_is_checked(capsys):
+    assert config_from_args("target", ["--model", "m"])[0].engine.blas is None          # blas.DEFAULT on cuda
+    assert config_from_args("target", ["--model", "m", "--blas", "cublas"])[0].engine.blas == "cublas"
+    with pytest.raises(SystemExit):
+        config_from_args("target", ["--model", "m", "--blas", "mkl"])
+    assert "--blas" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="blas: expected one of cublas, cublaslt"):
+        EngineConfig(model="m", blas="cuBLAS")
+
+
+class _Preference:
+    """torch.backends.cuda.preferred_blas_library as a recorder (a CPU build of torch refuses
+    cuBLASLt, so the setting itself is only made on the GPU: tests/gpu)."""
+
+    def __init__(self):
+        self.value, self.calls = "Cublas", []
+
+    def __call__(self, backend=None):
+        if backend is not None:
+            self.calls.append(backend)
+            self.value = {"cublas": "Cublas", "cublaslt": "Cublaslt"}[backend.lower()]
+        return type("Backend", (), {"name": self.value})()
+
+
+def test_blas_forced_restores_the_library_whatever_the_block_raises(monkeypatch):
+    from specdec.kernels import blas
+    pref = _Preference()
+    monkeypatch.setattr("torch.backends.cuda.preferred_blas_library", pref)
+    assert blas.current() == "cublas"
+    with blas.forced("cublaslt"):
+        assert blas.current() == "cublaslt"
+    assert blas.current() == "cublas"
+    with pytest.raises(KeyError):
+        with blas.forced("cublaslt"):
+            raise KeyError("inside")
+    assert blas.current() == "cublas"
+    with pytest.raises(ValueError, match="blas"):
+        with blas.forced("rocblas"):      # checked before anything changes
+            pass
+    assert pref.calls == ["cublaslt", "cublas", "cublaslt", "cublas"]
+
+
+def test_cpu_engines_leave_the_blas_library_alone(tmp_path, monkeypatch):
+    from specdec.engine import TargetEngine
+    from tests.helpers.tiny_models import make_pair
+    pref = _Preference()
+    monkeypatch.setattr("torch.backends.cuda.preferred_blas_library", pref)
+    TargetEngine(EngineConfig(model=make_pair(tmp_path)[0], num_blocks=8, blas="cublaslt"))
+    assert pref.calls == []
