@@ -65,9 +65,9 @@ KERNEL_SETS = {
     "no_small_split": dict(fused=True, gemv=True, pdl=True, norm=True, small_split=False),
     # the split merge at 4 warps whatever its size (the default before session 26; triton_attention.merge_warps)
     "merge_w4": dict(fused=True, gemv=True, pdl=True, norm=True, merge_warps=4),
-    # torch's products (> 16 rows: the b 8 verify, the b 32 decode, prompts) on cuBLASLt, which
-    # skips cuBLAS's split-K reduce kernel at 32-40 rows (kernels/blas.py; the default is cuBLAS)
-    "blas_cublaslt": dict(fused=True, gemv=True, pdl=True, norm=True, blas="cublaslt"),
+    # torch's products (> 16 rows: the b 8 verify, the b 32 decode, prompts) on cuBLAS, with its
+    # split-K reduce kernel at 32-40 rows (kernels/blas.py; the default before session 29: cuBLASLt)
+    "blas_cublas": dict(fused=True, gemv=True, pdl=True, norm=True, blas="cublas"),
     "no_pdl": dict(fused=True, gemv=True, pdl=False, norm=True),  # what programmatic dependent launch buys
     "cublas": dict(fused=True, gemv=False, pdl=True, blas="cublas"),  # what the GEMV buys (and its norm fusion)
     "torch_ops": dict(fused=False, gemv=False, pdl=False),  # no Triton at all

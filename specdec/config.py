@@ -221,7 +221,7 @@ class EngineConfig:
     pdl: bool | None = None           # programmatic dependent launch (kernels/pdl.py, process-wide);
                                       # None: leave the process default (on for Hopper+, SPECDEC_PDL=0 off)
     blas: str | None = None           # on cuda, the library of torch's matrix products (kernels/blas.py:
-                                      # cublas or cublaslt); None: blas.DEFAULT (cublas)
+                                      # cublas or cublaslt); None: blas.DEFAULT (cublaslt)
     graph_query_lens: tuple[int, ...] | None = None  # None: the engine's own (draft 1,2; target 1..k+1)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # larger batches run eagerly
     # Prompt-chunk bounds of the prefill graphs (steps mixing a prompt with decode/verify tokens,

@@ -164,7 +164,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "with it on Hopper and newer GPUs; kernels/pdl.py)")
     p.add_argument("--blas", choices=BLAS_LIBRARIES,
                    help="on cuda, the library of the matrix products the Triton GEMV does not take (steps "
-                        "of > 16 tokens: verification at batch 8, prompts; default cublas; cublaslt's "
+                        "of > 16 tokens: verification at batch 8, prompts; default cublaslt, whose "
                         "kernels at 32-40 rows skip cuBLAS's split-K reduce; kernels/blas.py)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
                                               "draft 1,2; target 1..min(max-num-draft, 8)+1)")
