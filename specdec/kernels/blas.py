@@ -2,16 +2,17 @@
 
 The linears of steps above the GEMV's rows (gemv.SERVE_MAX_M: a verify of 8 sequences x 5 tokens
 is 40 rows, a decode at batch 32 is 32, prompt chunks more) and the ops outside the GEMV go to
-F.linear, which torch hands to cuBLAS by default. At 32 and 40 rows cuBLAS (torch 2.11, CUDA
-13.0, H200) runs the 7B's o and down projections as split-K with a separate reduce kernel.
-Through cuBLASLt the heuristic picks kernels without the split (as cuBLAS does without a
-workspace: CUBLAS_WORKSPACE_CONFIG=:0:0 gave the same kernels in session 29's call 2). Session 29 (`bench/results/logs/s29/`), products alone (a graph over 32 weight
-copies): a layer's four projections at 40 rows 118.5 -> 113.5 us (o 14.3 -> 11.9, down 28.0 ->
-25.3), at 160 rows 141.8 -> 136.3; even at 512 and 2048 rows (0.995, 1.002) and at 24 (1.006).
-In the servers' graphs (timeline.py, both orders, replay span): the 7B's b 8 verify 4572 / 4569
--> 4474 / 4482 us (361 -> 297 kernels), its b 32 decode 5435 / 5440 -> 5354 / 5350, b 32 verify
-6624 / 6608 -> 6415 / 6379; TinyLlama within 1% either way. So the servers ask for cuBLASLt on
-CUDA (EngineConfig.blas, `--blas cublas` for the old path).
+F.linear, which torch hands to cuBLAS by default. At 32 and 40 rows cuBLAS (torch 2.11, CUDA 13.0,
+H200) runs the 7B's o and down projections as split-K with a separate reduce kernel. Through
+cuBLASLt the heuristic picks kernels without the split (as cuBLAS does without a workspace:
+CUBLAS_WORKSPACE_CONFIG=:0:0 gave the same kernels in session 29's call 2). Session 29
+(`bench/results/logs/s29/`), products alone (a graph over 32 weight copies): a layer's four
+projections at 40 rows 118.5 -> 113.5 us (o 14.3 -> 11.9, down 28.0 -> 25.3), at 160 rows 141.8 ->
+136.3; even at 512 and 2048 rows (0.995, 1.002) and at 24 (1.006). In the servers' graphs
+(timeline.py, both orders, replay span): the 7B's b 8 verify 4572 / 4569 -> 4474 / 4482 us (361 ->
+297 kernels), its b 32 decode 5435 / 5440 -> 5354 / 5350, b 32 verify 6624 / 6608 -> 6415 / 6379;
+TinyLlama within 1% either way. So the servers ask for cuBLASLt on CUDA (EngineConfig.blas, `--blas
+cublas` for the old path).
 
 Process-wide (torch's own setting, read at each product; a CUDA graph keeps the kernels it was
 captured with). A CPU build of torch refuses cuBLASLt, so only CUDA engines set it.
