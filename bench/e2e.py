@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E402
 from services import (REPLAY_PROFILE, DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
-                      run_concurrent, steady_tok_s, summarize, write_shape_folder)
+                      run_concurrent, steady_occupancy, steady_tok_s, summarize, write_shape_folder)
 from specdec.metrics import STAGES, histogram_mean, sample_total  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
@@ -174,6 +174,7 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
                    "plain": plain, "spec": spec}
             row.update(steady_rows(b, plain_recs, spec_recs, plain, spec, (m0, m1, m2), row["expected"]))
+            row.update(per_step(row))
             if row["overhead_ms_spec"] is not None and row["step_ms_spec"]:
                 row["overhead_frac_spec"] = row["overhead_ms_spec"] / row["step_ms_spec"]
             if row["target_forward_ms_spec"] and row["target_forward_ms_plain"]:
@@ -206,12 +207,27 @@ def steady_rows(b: int, plain_recs, spec_recs, plain: dict, spec: dict, scrapes,
     p, s = out["plain_steady_tok_s"], out["spec_steady_tok_s"]
     out["speedup_steady"] = s / p if s and p else None
     out["steady_over_expected"] = out["speedup_steady"] / expected if out["speedup_steady"] and expected else None
+    out["occupancy_steady_plain"] = steady_occupancy(plain_recs, b)
+    out["occupancy_steady_spec"] = steady_occupancy(spec_recs, b)
     for mode, before, after, summary in (("plain", m0, m1, plain), ("spec", m1, m2, spec)):
         # every batch step between the scrapes, whatever its mode label (a speculative pass's
         # steps that only prefill are labelled plain)
         steps = (sample_total(after, "specdec_step_seconds_count")
                  - sample_total(before, "specdec_step_seconds_count"))
         out[f"occupancy_{mode}"] = summary["steps"] / (steps * b) if steps and summary["steps"] else None
+    return out
+
+
+def per_step(row: dict) -> dict:
+    """The speedup of one batch step: τ (tokens per sequence and target step) times the plain
+    step's mean time over the speculative step's. Leviathan's expected speedup models this, a
+    step of a full batch; the steady tokens/s also carry how full the batch was (occupancy)."""
+    tau, plain, spec = row.get("tau"), row.get("step_ms_plain"), row.get("step_ms_spec")
+    if not (tau and plain and spec):
+        return {}
+    out = {"step_speedup": tau * plain / spec}
+    if row.get("expected"):
+        out["step_over_expected"] = out["step_speedup"] / row["expected"]
     return out
 
 
@@ -530,13 +546,16 @@ def main(argv=None) -> int:
         ("verify_ratio", "verify / decode fwd", ".2f"), ("speedup", "speedup", ".2f"),
         ("expected_verify", "expected (c, verify)", ".2f")]))
     print("\nwhile every slot decodes (the run's final drain left out; occupancy: sequences per batch "
-          "step / b over the whole run)")
+          "step / b over the whole run, and in that window the share of slots between a request's first "
+          "and last token; per step: τ x plain step / spec step)")
     print(table([r for r in rows if "skipped" not in r], [
         ("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d"),
         ("plain_steady_tok_s", "plain tok/s", ".0f"), ("spec_steady_tok_s", "spec tok/s", ".0f"),
         ("speedup_steady", "speedup", ".2f"), ("expected", "expected (c)", ".2f"),
         ("steady_over_expected", "measured / expected", ".2f"), ("speedup", "whole-run speedup", ".2f"),
-        ("occupancy_plain", "occupancy plain", ".2f"), ("occupancy_spec", "occupancy spec", ".2f")]))
+        ("occupancy_plain", "occupancy plain", ".2f"), ("occupancy_spec", "occupancy spec", ".2f"),
+        ("occupancy_steady_plain", "in window plain", ".2f"), ("occupancy_steady_spec", "in window spec", ".2f"),
+        ("step_speedup", "per-step speedup", ".2f"), ("step_over_expected", "per step / expected", ".2f")]))
     if skipped:
         print(f"skipped: {', '.join(skipped)}")
     print(f"wrote {path} ({result['elapsed_s']:.0f}s)")

@@ -289,6 +289,21 @@ def steady_window(records: Sequence[Record], concurrency: int) -> tuple[float, f
     return (start, end) if end is not None and end > start else None
 
 
+def steady_occupancy(records: Sequence[Record], concurrency: int) -> float | None:
+    """Of steady_window, the mean fraction of the `concurrency` slots whose request was between
+    its first token and its last: a slot between a finish and the next request's first token
+    (the client's round trip, the admission, the new request's first step) is not counted. In a
+    closed loop speculative requests finish at different steps and are refilled one by one, so
+    this can fall below 1 inside the window; beside the per-step speedup it tells how much of a
+    measured / expected gap is that and not the step's time. None where steady_window is."""
+    window = steady_window(records, concurrency)
+    if window is None:
+        return None
+    start, end = window
+    busy = sum(max(0.0, min(r.done, end) - max(r.first, start)) for r in records)
+    return busy / (concurrency * (end - start))
+
+
 def steady_tok_s(records: Sequence[Record], concurrency: int) -> float | None:
     """Tokens/s over steady_window: the chunks that arrived inside it (a chunk at the window's
     start closes the interval before it and is not counted)."""

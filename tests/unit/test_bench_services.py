@@ -102,3 +102,29 @@ def test_profiles_from_a_server_log(tmp_path):
     assert decode_profile(proc, REPLAY_PROFILE) == pytest.approx({1: 0.0035, 8: 0.00425})
     log.write_text("nothing logged\n")
     assert decode_profile(proc) == {} and decode_profile(proc, REPLAY_PROFILE) == {}
+
+
+def test_steady_occupancy_counts_slots_between_first_and_last_token():
+    from services import steady_occupancy
+    # The window of test_steady_window_spans_full_batch_until_the_drain, (2, 9) with two slots:
+    # A decodes 2..5, B 2..9, C 6..9 (sent at 5, first token at 6): 3 + 7 + 3 of 2 x 7.
+    a = _rec(0.0, [(1.0, 1), (3.0, 2), (5.0, 2)])
+    b = _rec(0.1, [(2.0, 1), (4.0, 3), (9.0, 3)])
+    c = _rec(5.0, [(6.0, 1), (8.0, 2), (10.0, 1), (12.0, 1)])
+    assert steady_occupancy([c, a, b], 2) == pytest.approx(13 / 14)
+    # A last request whose first token comes after the window's end adds nothing (not a negative
+    # span): sent at 8, first token at 11, while B's finish at 9 ends the window.
+    late = _rec(8.0, [(11.0, 1), (13.0, 1)])
+    assert steady_occupancy([c, a, b, late], 2) == pytest.approx(13 / 14)
+    # Both slots streaming the whole window: 1.
+    assert steady_occupancy([_rec(0.0, [(1.0, 1), (6.0, 1)]), _rec(0.0, [(1.0, 1), (7.0, 1)])], 2) == 1.0
+    assert steady_occupancy([a], 2) is None          # fewer requests than slots: no window
+
+
+def test_per_step_speedup_is_tau_times_the_step_ratio():
+    from e2e import per_step
+    row = {"tau": 3.2, "step_ms_plain": 5.0, "step_ms_spec": 8.0, "expected": 2.5}
+    out = per_step(row)
+    assert out["step_speedup"] == pytest.approx(2.0) and out["step_over_expected"] == pytest.approx(0.8)
+    assert per_step({**row, "expected": None}) == {"step_speedup": pytest.approx(2.0)}
+    assert per_step({**row, "step_ms_spec": None}) == {} and per_step({"tau": None}) == {}
