@@ -14,7 +14,9 @@ without --a-args / --a-env the same arguments as B: this checkout against that c
 Arguments after `--` go to every pass; --a-args / --b-args (one string each) and --a-env / --b-env
 (NAME=VALUE, repeatable) to one side. Each pass is its own e2e.py process (fresh servers). Rows are
 matched by (pair, gpus, batch). bench/results/e2e.json (e2e_smoke.json with --smoke) is left as it
-was; every pass's rows go into bench/results/e2e_ab.json with the medians.
+was; every pass's rows go into bench/results/e2e_ab.json with the medians, rewritten after each
+pass (with "complete": false until the last), so a call cut short by its time limit keeps the
+passes it finished.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a-code", help="side A runs over this commit's (or folder's) packages")
     ap.add_argument("--pass-timeout", type=float, default=300.0, help="seconds one e2e.py pass may take")
     a = ap.parse_args(own)
+    # `timeout` (gpu_suite.sh) ends a call with SIGTERM: as SystemExit, so that the result files the
+    # passes overwrite are put back and the running pass's processes are killed on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sides = {"A": (common + shlex.split(a.a_args), parse_env(a.a_env)),
              "B": (common + shlex.split(a.b_args), parse_env(a.b_env))}
     if sides["A"] == sides["B"] and not a.a_code:
@@ -118,13 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         code = {"A": "this checkout", "B": "this checkout"}
         if a.a_code:
             roots["A"], code["A"] = stack.enter_context(baseline_tree(a.a_code))
-        passes, log = run_passes(sides, roots, a.passes, a.pass_timeout)
+
+        def report(passes: dict, log: list[dict], complete: bool) -> Path:
+            return write_result("e2e_ab", {
+                "benchmark": "e2e_ab", "environment": environment(), "common_args": common,
+                "a": {"args": sides["A"][0], "env": sides["A"][1], "code": code["A"]},
+                "b": {"args": sides["B"][0], "env": sides["B"][1], "code": code["B"]},
+                "passes": a.passes, "complete": complete, "summary": summarize(passes), "log": log})
+
+        passes, log = run_passes(sides, roots, a.passes, a.pass_timeout,
+                                 after_pass=lambda p, lg: report(p, lg, False))
     summary = summarize(passes)
-    result = {"benchmark": "e2e_ab", "environment": environment(), "common_args": common,
-              "a": {"args": sides["A"][0], "env": sides["A"][1], "code": code["A"]},
-              "b": {"args": sides["B"][0], "env": sides["B"][1], "code": code["B"]},
-              "passes": a.passes, "summary": summary, "log": log}
-    path = write_result("e2e_ab", result)
+    path = report(passes, log, True)
     cols = [("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d")]
     for m, name, fmt in METRICS:
         cols += [(f"{m}_a", f"{name} A", fmt), (f"{m}_b", f"{name} B", fmt), (f"{m}_ratio", "B/A", ".3f")]
@@ -136,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(entry["returncode"] == 0 for entry in log) else 1
 
 
-def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float) -> tuple[dict, list[dict]]:
+def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float,
+               after_pass=None) -> tuple[dict, list[dict]]:
     """n alternating passes (A, B, A, B, ...) of each side's (args, env) from its checkout; the
-    result files they overwrite are put back as they were."""
+    result files they overwrite are put back as they were. after_pass(passes, log), if given, runs
+    after each pass with what there is so far."""
     outs = {result_file(args, roots[side]) for side, (args, _) in sides.items()}
     saved = {out: out.read_bytes() for out in outs if out.exists()}
     passes: dict[str, list[list[dict]]] = {"A": [], "B": []}
@@ -151,6 +164,8 @@ def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float) -> t
                 passes[side].append(rows)
                 log.append({"pass": i + 1, "side": side, "seconds": secs, "returncode": rc, "rows": rows})
                 print(f"pass {i + 1} {side}: rc {rc}, {len(rows)} rows, {secs:.0f}s", flush=True)
+                if after_pass is not None:
+                    after_pass(passes, log)
     finally:
         for out, data in saved.items():
             out.write_bytes(data)
