@@ -242,15 +242,25 @@ def summarize(steps: list[dict], top: int = 10) -> dict:
             "waits": waits}
 
 
-def unprofiled_step_us(loop, steps: int) -> float:
-    """The median wall time of a speculative step without the profiler (each step ends on the host
-    with its tokens): how much the trace's instrumentation stretches the steps above."""
-    times = []
+def bare_steps(loop, steps: int) -> dict:
+    """Speculative steps without the profiler or any wrapping, medians in us: the step's wall time
+    (how much the trace's instrumentation stretches the steps above), and per engine call (the
+    draft's propose, the target's verify) its wall time, its forwards' device time by the engine's
+    own clock, and the rest: the host time of the call with no gRPC around it, the in-process
+    counterpart of e2e.py's "draft host" / "target host" (server step minus forwards)."""
+    times, calls = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loop.spec()
+        calls.append(loop.spec())
         times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    out = {"step_us": statistics.median(times)}
+    for role in ("draft", "target"):
+        wall = [c[f"{role}_wall"] for c in calls]
+        fwd = [c[f"{role}_fwd"] for c in calls]
+        out[f"{role}_wall_us"] = 1e6 * statistics.median(wall)
+        out[f"{role}_fwd_us"] = 1e6 * statistics.median(fwd)
+        out[f"{role}_host_us"] = 1e6 * statistics.median(w - f for w, f in zip(wall, fwd))
+    return out
 
 
 IDLE_US = (0, 100, 300, 1000, 3000)
@@ -363,7 +373,7 @@ def main() -> int:
         loop = Loop(draft, target, b, a.k, seed=i)
         for _ in range(4):
             loop.spec()
-        plain_us = unprofiled_step_us(loop, a.steps)
+        bare = bare_steps(loop, a.steps)
         split = host_split_steps(loop, a.steps)
         trace = profile_steps(loop, a.steps)
         loop.close()
@@ -379,7 +389,7 @@ def main() -> int:
                     idle[name] = replay_after_idle(g.graph, engine.runner.device)
                     graphs[name] = g.graph
         launches = launch_after(graphs, target.runner.device) if graphs else []
-        rows.append({"batch": b, "unprofiled_step_us": plain_us, "host_split": split,
+        rows.append({"batch": b, "unprofiled_step_us": bare["step_us"], "bare": bare, "host_split": split,
                      "replay_ms_after_idle_us": idle, "launch_after": launches, **summarize(per_step(trace))})
         print(f"batch {b}: { {k: v for k, v in rows[-1].items() if k != 'waits'} }", flush=True)
     path = write_result("gaps", {"benchmark": "gaps", "environment": environment(), "target": a.target,
@@ -404,6 +414,12 @@ def main() -> int:
                 + [{"range": "step (timed here)", **{f"b{r['batch']}": r["host_split"]["step_us"] for r in rows}},
                    {"range": "host outside wait", **{f"b{r['batch']}": r["host_split"]["host_us"] for r in rows}}],
                 [("range", "range", "s")] + [(f"b{r['batch']}", f"b {r['batch']}", ".0f") for r in rows]))
+    print("\nengine calls in bare steps (medians, us): wall, forwards' device time, and the rest, the host "
+          "time of the call without gRPC (e2e.py's draft / target host is the same through the servers)")
+    print(table([{"batch": r["batch"], **r["bare"]} for r in rows],
+                [("batch", "b", "d"), ("step_us", "step", ".0f")]
+                + [(f"{role}_{part}_us", f"{role} {part}", ".0f") for role in ("draft", "target")
+                   for part in ("wall", "fwd", "host")]))
     idle_rows = [{"graph": f"b {r['batch']} {name}", **{f"i{us}": ms for us, ms in by.items()}}
                  for r in rows for name, by in r["replay_ms_after_idle_us"].items()]
     if idle_rows:

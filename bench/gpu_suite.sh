@@ -3,7 +3,8 @@
 # Logs and the stages' JSON go to $OUT (default bench/results); only those files are copied, since
 # the device returns a bounded number of files.
 #   bash bench/gpu_suite.sh STAGE...
-# Stages: tests (every GPU test, in parallel processes; parts: tests-gpu, tests-unit, tests-attention), numerics, e2e, e2e-ab (E2E_AB_ARGS:
+# Stages: tests (every GPU test, in parallel processes; parts: tests-gpu, tests-unit, tests-attention), numerics, e2e, e2e-mps
+#         (the servers through CUDA MPS against without: E2E_MPS_ARGS, MPS_PASSES), e2e-ab (E2E_AB_ARGS:
 #         bench/e2e_ab.py's arguments, e.g. "--passes 3 --b-args=--draft-args=--no-sampled-chains --
 #         --sections 7b --drafts llama-68m --temperature 0.8 --top-k 50 --deadline 100"), e2e-profile
 #         (profiles.tgz; PROFILE_BATCHES, default 1; PROFILE_ARGS: more e2e.py arguments), e2e-trace
@@ -67,6 +68,22 @@ for s in "$@"; do
     e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}" ${E2E_ARGS:-}; keep e2e.json ;;
     e2e-ab) run e2e-ab "${E2E_AB_S:-520}" python3 bench/e2e_ab.py ${E2E_AB_ARGS:?E2E_AB_ARGS: e2e_ab.py arguments}
             keep e2e_ab.json ;;
+    # The draft and target servers through CUDA MPS (one shared GPU context: no time-sliced context
+    # switches between the two processes at each Propose / Verify hand-over) against without, in
+    # alternating e2e passes (E2E_MPS_ARGS: e2e.py's arguments; MPS_PASSES per side). The MPS control
+    # daemon is a user-space process started here and stopped after; no GPU setting changes. Side A
+    # points its processes at a pipe folder without a daemon, so they run without MPS. The control
+    # log's client lines say whether B's processes did connect. Not yet run on a device (session 30).
+    e2e-mps)
+      mps=/tmp/specdec-mps; mkdir -p $mps/pipe $mps/log $mps/none
+      CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log nvidia-cuda-mps-control -d \
+        || echo "e2e-mps: the MPS control daemon did not start" | tee -a "$log"
+      run e2e-mps "${E2E_AB_S:-520}" python3 bench/e2e_ab.py --passes "${MPS_PASSES:-2}" \
+        --a-env CUDA_MPS_PIPE_DIRECTORY=$mps/none --b-env CUDA_MPS_PIPE_DIRECTORY=$mps/pipe \
+        -- ${E2E_MPS_ARGS:---sections 7b --drafts llama-68m --deadline 100}
+      echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps/pipe nvidia-cuda-mps-control
+      grep -i "client" $mps/log/control.log | tail -n 6 | tee -a "$log"
+      keep e2e_ab.json ;;
     e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files)
       rm -rf /tmp/specdec-profiles && mkdir -p /tmp/specdec-profiles
       SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \

@@ -136,3 +136,22 @@ def test_compare_puts_each_labels_median_split_side_by_side_with_ratios_to_the_f
     assert [r["range"] for r in gaps.compare(runs)][0] == "step"          # largest first within a batch
     only_b = gaps.compare([("A", result(1000, 50)), ("B", result(900, 20, batch=8))])
     assert {(r["batch"], r["A"], r["B"]) for r in only_b if r["range"] == "packed.fill"} == {(1, 50, None), (8, None, 20)}
+
+
+def test_bare_steps_give_each_engine_calls_wall_forward_and_host_medians():
+    class FakeLoop:
+        def __init__(self):
+            self.calls = iter([(0.003, 0.002, 0.010, 0.009), (0.001, 0.0005, 0.012, 0.0095),
+                               (0.002, 0.001, 0.011, 0.0104)])
+
+        def spec(self):
+            dw, df, tw, tf = next(self.calls)
+            return {"draft_wall": dw, "draft_fwd": df, "target_wall": tw, "target_fwd": tf, "tokens": 5}
+
+    out = gaps.bare_steps(FakeLoop(), 3)
+    assert out["draft_wall_us"] == pytest.approx(2000) and out["draft_fwd_us"] == pytest.approx(1000)
+    # the host time is the median of each call's wall - forward, not the difference of the medians
+    assert out["draft_host_us"] == pytest.approx(1000)          # of 1000, 500, 1000
+    assert out["target_host_us"] == pytest.approx(1000)         # of 1000, 2500, 600
+    assert out["target_wall_us"] - out["target_fwd_us"] == pytest.approx(11000 - 9500)
+    assert out["step_us"] >= 0
