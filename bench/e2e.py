@@ -53,7 +53,7 @@ from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E40
 from services import (REPLAY_PROFILE, DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
                       run_concurrent, steady_occupancy, steady_tok_s, summarize, write_shape_folder)
-from specdec.metrics import STAGES, histogram_mean, sample_total  # noqa: E402
+from specdec.metrics import SERVER_STEP_PARTS, STAGES, histogram_mean, sample_total  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
 # Smoke stand-ins for the 7B pair: random weights through the same code path, CPU-sized.
@@ -168,7 +168,7 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    **{f"{role}_{part}_ms_{mode}": _ms(histogram_mean(after, "specdec_server_step_seconds",
                                                                      before, role=role, part=part))
                       for mode, before, after in (("plain", m0, m1), ("spec", m1, m2))
-                      for role in ("draft", "target") for part in ("forward", "host")},
+                      for role in ("draft", "target") for part in SERVER_STEP_PARTS},
                    "target_decode_ms": 1e3 * t_c if t_c else None,
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
@@ -545,6 +545,13 @@ def main(argv=None) -> int:
         ("target_host_ms_spec", "target host", ".2f"), ("overhead_ms_spec", "transport", ".2f"),
         ("verify_ratio", "verify / decode fwd", ".2f"), ("speedup", "speedup", ".2f"),
         ("expected_verify", "expected (c, verify)", ".2f")]))
+    print("\nthe servers' host time split (ms per step): the engine's call outside its forwards, and the "
+          "server's handling around the engine (conversion, response)")
+    print(table([r for r in rows if "skipped" not in r], [
+        ("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d")]
+        + [(f"{role}_{part}_ms_{mode}", f"{mode} {role} {label}", ".2f") for mode in ("plain", "spec")
+           for role in ("draft", "target") if not (mode == "plain" and role == "draft")
+           for part, label in (("engine_host", "engine host"), ("serving", "serving"))]))
     print("\nwhile every slot decodes (the run's final drain left out; occupancy: sequences per batch "
           "step / b over the whole run, and in that window the share of slots between a request's first "
           "and last token; per step: τ x plain step / spec step)")

@@ -69,18 +69,20 @@ class Probs(_message.Message):
     def __init__(self, encoding: _Optional[_Union[ProbsEncoding, str]] = ..., rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., row_lengths: _Optional[bytes] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("forward_seconds", "step_seconds", "batch_size", "num_forwards", "decode_forward_seconds")
+    __slots__ = ("forward_seconds", "step_seconds", "batch_size", "num_forwards", "decode_forward_seconds", "engine_seconds")
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     forward_seconds: float
     step_seconds: float
     batch_size: int
     num_forwards: int
     decode_forward_seconds: float
-    def __init__(self, forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., num_forwards: _Optional[int] = ..., decode_forward_seconds: _Optional[float] = ...) -> None: ...
+    engine_seconds: float
+    def __init__(self, forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., num_forwards: _Optional[int] = ..., decode_forward_seconds: _Optional[float] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
 
 class SeqError(_message.Message):
     __slots__ = ("code", "message")

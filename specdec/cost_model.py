@@ -185,6 +185,7 @@ class ServerTiming:
     batch_size: int = 0
     step_seconds: float = 0.0
     num_forwards: int = 1
+    engine_seconds: float = 0.0  # of step_seconds, the engine's call (0: not reported)
 
 
 @dataclass(frozen=True)

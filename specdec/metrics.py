@@ -61,6 +61,10 @@ def _g(name, help, *labels):
     return MetricSpec(name, "gauge", help, labels)
 
 
+# specdec_server_step_seconds' parts: forward + host = the server's step; host = engine_host + serving
+SERVER_STEP_PARTS = ("forward", "host", "engine_host", "serving")
+
+
 def step_overhead(step_seconds: float, draft_timing: ServerTiming | None,
                   target_timing: ServerTiming | None) -> float | None:
     """A step's wall time minus the servers' handling time of its RPCs (Propose and Verify run one
@@ -115,7 +119,9 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
        "the coordinator's scheduling and emit", FORWARD_BUCKETS, "mode"),
     _h("specdec_server_step_seconds",
        "A server's handling of one step, as it reports it: device time of its forwards (part=forward) "
-       "and the rest (part=host: request conversion, scheduling, launches, sampling, response)",
+       "and the rest (part=host: request conversion, scheduling, launches, sampling, response); the "
+       "host part split into the engine's call outside its forwards (part=engine_host) and the "
+       "server's handling around the engine (part=serving)",
        FORWARD_BUCKETS, "role", "part"),
     _h("specdec_request_duration_seconds", "Generate request latency, arrival to last token",
        REQUEST_BUCKETS),
@@ -275,7 +281,7 @@ class CoordinatorMetrics(_ProcessMetrics):
             self._m["specdec_step_seconds"].labels(mode=mode)
             self._m["specdec_step_overhead_seconds"].labels(mode=mode)
         for role in ("draft", "target"):
-            for part in ("forward", "host"):
+            for part in SERVER_STEP_PARTS:
                 self._m["specdec_server_step_seconds"].labels(role=role, part=part)
         for code in STATUS_CODES:
             self._m["specdec_requests_total"].labels(code=code)
@@ -357,6 +363,11 @@ class CoordinatorMetrics(_ProcessMetrics):
                 self._child(name, role=role, part="forward").observe(timing.forward_seconds)
                 self._child(name, role=role, part="host").observe(
                     max(timing.step_seconds - timing.forward_seconds, 0.0))
+                engine = getattr(timing, "engine_seconds", 0.0)   # (0: a server that does not say)
+                if engine:
+                    self._child(name, role=role, part="engine_host").observe(
+                        max(engine - timing.forward_seconds, 0.0))
+                    self._child(name, role=role, part="serving").observe(max(timing.step_seconds - engine, 0.0))
         self._set_buckets()
         window = self.stats.window()
         self._set_window(window)

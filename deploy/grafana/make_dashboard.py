@@ -103,7 +103,9 @@ PANELS = [
          'sum by (role, part) (rate(specdec_server_step_seconds_count[$__rate_interval]))',
          "{{role}} {{part}}")],
      "Mean per step of each server's own handling, as the coordinator receives it: device time of "
-     "its forwards and the rest (request conversion, scheduling, launches, sampling, response)."),
+     "its forwards (forward) and the rest (host: request conversion, scheduling, launches, sampling, "
+     "response), which splits into the engine's call outside its forwards (engine_host) and the "
+     "server's handling around the engine (serving)."),
     ("Forwards: CUDA graph or eager", "ops", "timeseries", [
         ("sum by (role, path) (rate(specdec_server_forwards_total[$__rate_interval]))",
          "{{role}} {{path}}")],

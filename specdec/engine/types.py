@@ -47,6 +47,7 @@ class StepTiming:
     batch_size: int = 0
     num_forwards: int = 0
     decode_forward_seconds: float = 0.0
+    engine_seconds: float = 0.0  # the servicer sets it: the engine's own step_seconds
 
 
 @dataclass(frozen=True)

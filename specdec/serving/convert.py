@@ -124,7 +124,7 @@ def timing_to_pb(t: StepTiming) -> pb.StepTiming:
     # Field by field: dataclasses.asdict deep-copies recursively (~20 us a step on the servers).
     return pb.StepTiming(forward_seconds=t.forward_seconds, step_seconds=t.step_seconds,
                          batch_size=t.batch_size, num_forwards=t.num_forwards,
-                         decode_forward_seconds=t.decode_forward_seconds)
+                         decode_forward_seconds=t.decode_forward_seconds, engine_seconds=t.engine_seconds)
 
 
 def info_to_pb(info: ModelInfo) -> pb.ModelInfo:

@@ -93,6 +93,7 @@ class ModelServicer:
     def _finish_timing(step_timing, request, received: float) -> pb.StepTiming:
         timing = convert.timing_to_pb(step_timing)
         timing.batch_size = len(request.seqs)
+        timing.engine_seconds = step_timing.step_seconds   # the engine's call; step_seconds: the server's
         timing.step_seconds = time.perf_counter() - received
         return timing
 

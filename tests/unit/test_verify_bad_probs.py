@@ -9,38 +9,22 @@ import time
 import numpy as np
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
-from draft_server.servicer import DraftServicer
 from protos import specdec_pb2 as pb
 from protos.wire import pack_ids
-from specdec.config import EngineConfig
-from specdec.engine import DraftEngine, TargetEngine
-from specdec.metrics import ServerMetrics
 from specdec.sampling.transport import ProbsDecodeError, decode_probs
-from specdec.serving.server import EngineRuntime
 from target_server.servicer import TargetServicer
+from tests.helpers.servicers import servicer_pair
 from tests.helpers.threads import one_thread  # noqa: F401  (autouse: this module runs single-threaded)
-from tests.helpers.tiny_models import make_pair
 
 V = 320  # make_pair's vocabulary
 INVALID = 3
 SAMPLED = pb.SamplingParams(temperature=1.0, seed=7)
 
 
-def runtime_for(engine, role: str) -> EngineRuntime:
-    runtime = EngineRuntime(ServerMetrics(CollectorRegistry(), role))
-    runtime.attach(engine)
-    return runtime
-
-
 @pytest.fixture(scope="module")
 def servicers(tmp_path_factory):
-    target_path, draft_path = make_pair(tmp_path_factory.mktemp("pair"))
-    config = dict(num_blocks=32, block_size=4, warmup_batch_sizes=(1,), max_num_draft=4)
-    target = TargetEngine(EngineConfig(model=target_path, **config))
-    draft = DraftEngine(EngineConfig(model=draft_path, **config))
-    return TargetServicer(runtime_for(target, "target")), DraftServicer(runtime_for(draft, "draft"))
+    return servicer_pair(tmp_path_factory.mktemp("pair"))
 
 
 def uniform_dense(rows: int, vocab: int = V) -> pb.Probs:
