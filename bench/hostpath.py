@@ -135,7 +135,7 @@ async def server_rtt(address: str, batch: int, steps: int, channel: bool = False
     await server.info()
     assert server.transport == ("channel" if channel else "grpc")
     await server.step(verify_request(1, batch, first=True, prompt=4), timeout=30)
-    rtt, step_s, host_s = [], [], []
+    rtt, step_s, host_s, serving_s = [], [], [], []
     for i in range(steps):
         req = verify_request(i + 2, batch)
         # The coordinator works between two steps of one server (the other server's step): the
@@ -146,6 +146,8 @@ async def server_rtt(address: str, batch: int, steps: int, channel: bool = False
         rtt.append(time.perf_counter() - t0)
         step_s.append(r.timing.step_seconds)
         host_s.append(r.timing.step_seconds - r.timing.forward_seconds)
+        if r.timing.engine_seconds:   # the server's handling around the engine's call
+            serving_s.append(r.timing.step_seconds - r.timing.engine_seconds)
         # Keep the sequences short: drop the accepted tokens again by releasing and restarting
         # them every 100 steps (a 4096-token limit otherwise ends the run).
         if i % 100 == 99:
@@ -156,7 +158,8 @@ async def server_rtt(address: str, batch: int, steps: int, channel: bool = False
     prefix = "channel" if channel else "server"
     return {f"{prefix}_rtt_us": median_us(rtt), f"{prefix}_step_us": median_us(step_s),
             f"{prefix}_outside_us": median_us([a - b for a, b in zip(rtt, step_s)]),
-            f"{prefix}_host_us": median_us(host_s)}
+            f"{prefix}_host_us": median_us(host_s),
+            f"{prefix}_serving_us": median_us(serving_s) if serving_s else None}
 
 
 # --- the coordinator's loop ---------------------------------------------------------------------
@@ -462,6 +465,7 @@ def main() -> int:
                        ("channel_vs_grpc", "channel / gRPC", ".2f"),
                        ("stack_over_bare_us", "our stack over bare us", ".0f"),
                        ("server_host_us", "server host in step us", ".0f"),
+                       ("server_serving_us", "of it around the engine us", ".0f"),
                        ("loop_step_us", "coordinator loop us/step", ".0f"),
                        ("loop_critical_us", "of it between server calls", ".0f"),
                        ("target_python_us", "target Python us/step", ".0f"),
