@@ -125,17 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.a_code:
             roots["A"], code["A"] = stack.enter_context(baseline_tree(a.a_code))
 
-        def report(passes: dict, log: list[dict], complete: bool) -> Path:
+        def report(summary: list[dict], log: list[dict], complete: bool) -> Path:
             return write_result("e2e_ab", {
                 "benchmark": "e2e_ab", "environment": environment(), "common_args": common,
                 "a": {"args": sides["A"][0], "env": sides["A"][1], "code": code["A"]},
                 "b": {"args": sides["B"][0], "env": sides["B"][1], "code": code["B"]},
-                "passes": a.passes, "complete": complete, "summary": summarize(passes), "log": log})
+                "passes": a.passes, "complete": complete, "summary": summary, "log": log})
 
         passes, log = run_passes(sides, roots, a.passes, a.pass_timeout,
-                                 after_pass=lambda p, lg: report(p, lg, False))
+                                 after_pass=lambda p, lg: report(summarize(p), lg, False))
     summary = summarize(passes)
-    path = report(passes, log, True)
+    path = report(summary, log, True)
     cols = [("pair", "pair", "s"), ("gpus", "gpus", "d"), ("batch", "b", "d")]
     for m, name, fmt in METRICS:
         cols += [(f"{m}_a", f"{name} A", fmt), (f"{m}_b", f"{name} B", fmt), (f"{m}_ratio", "B/A", ".3f")]

@@ -363,7 +363,7 @@ class CoordinatorMetrics(_ProcessMetrics):
                 self._child(name, role=role, part="forward").observe(timing.forward_seconds)
                 self._child(name, role=role, part="host").observe(
                     max(timing.step_seconds - timing.forward_seconds, 0.0))
-                engine = getattr(timing, "engine_seconds", 0.0)   # (0: a server that does not say)
+                engine = timing.engine_seconds   # 0: a server that does not report it
                 if engine:
                     self._child(name, role=role, part="engine_host").observe(
                         max(engine - timing.forward_seconds, 0.0))
