@@ -40,6 +40,7 @@ METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", "
            ("speedup", "speedup", ".2f"), ("speedup_steady", "steady speedup", ".2f"),
            ("step_ms_spec", "spec step ms", ".2f"),
            ("draft_host_ms_spec", "draft host ms", ".2f"), ("target_host_ms_spec", "target host ms", ".2f"),
+           ("draft_serving_ms_spec", "draft serving ms", ".2f"), ("target_serving_ms_spec", "target serving ms", ".2f"),
            ("overhead_ms_spec", "transport ms", ".2f"), ("c", "c", ".3f")]
 RESULTS = ROOT / "bench" / "results"
 
