@@ -1,7 +1,7 @@
 """The GEMV kernel (specdec/kernels/gemv.py) against cuBLAS (F.linear) on the projection shapes of a model,
 at decode/verify token counts, against the weight-read floor.
 
-    python3 bench/gemv.py [--shape llama-7b] [--m 1 4 8] [--no-sweep]
+    python3 bench/gemv.py [--shape llama-7b] [--m 1 4 8] [--no-sweep | --wide]
 
 Each time is one call's share of a CUDA graph that runs it over enough copies of the weight to defeat
 the L2 (>= 256 MB per pass), so it is HBM time without launch overhead, as in a graphed decode step.
@@ -31,6 +31,26 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
     qkv = h + 2 * s["num_key_value_heads"] * d
     return {"qkv": (qkv, h, layers), "o": (h, h, layers), "gate_up": (2 * inter, h, layers),
             "down": (h, inter, layers), "lm_head": (s["vocab_size"], h, 1)}
+
+
+# Wider W tiles against the x tile's rows (--wide). A row tile of x is loaded from L2 into shared
+# memory by every program beside its W tile: with 64 x rows and 32 W rows that is twice W's bytes
+# per K step, which a GEMV at 40 rows may pay for in L2 bandwidth. Wide W tiles leave fewer N tiles
+# than SMs, so each is split over K until the programs fill whole waves.
+WIDE_TILES = ((32, 128), (64, 128), (128, 64), (128, 128), (256, 64))
+
+
+def wide_sweep(m: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    bm = block_m_for(m)
+    out = []
+    for bn, bk in WIDE_TILES:
+        tiles = -(-n // bn) * -(-m // bm)
+        blocks = -(-k // bk)
+        splits = [s for s in (1, 2, 4, 8) if s <= blocks and tiles * s <= 6 * num_sms]
+        for s in splits:
+            for st in (3, 4):
+                out.append(GemvConfig(bm, bn, bk, split_k=s, num_warps=8 if bn >= 256 else 4, num_stages=st))
+    return out
 
 
 def sweep(m: int) -> list[GemvConfig]:
@@ -65,7 +85,8 @@ def time_per_call(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
     return 1e3 * ms / len(weights)
 
 
-def measure(name: str, n: int, k: int, m: int, bw: float, do_sweep: bool, num_sms: int) -> dict:
+def measure(name: str, n: int, k: int, m: int, bw: float, do_sweep: bool, num_sms: int,
+            wide: bool = False) -> dict:
     nbytes = n * k * 2
     copies = max(2, -(-L2_DEFEAT_BYTES // nbytes))
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -82,7 +103,7 @@ def measure(name: str, n: int, k: int, m: int, bw: float, do_sweep: bool, num_sm
            "gemv_us": time_per_call(lambda a, w: gemv(a, w, config=cfg), weights, x)}
     if do_sweep:
         tried = []
-        for c in sweep(m):
+        for c in (wide_sweep(m, n, k, num_sms) if wide and m > 1 else sweep(m)):
             try:
                 tried.append({"config": c.__dict__,
                               "us": time_per_call(lambda a, w, c=c: gemv(a, w, config=c), weights, x)})
@@ -117,6 +138,8 @@ def main() -> int:
     ap.add_argument("--shape", default="llama-7b")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--no-sweep", action="store_true", help="time the default configuration only")
+    ap.add_argument("--wide", action="store_true",
+                    help="M > 1: sweep wide W tiles split over K (WIDE_TILES) instead of the default sweep")
     args = ap.parse_args()
     bw = copy_bandwidth()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -126,7 +149,7 @@ def main() -> int:
               "copy_bandwidth_GBs": bw / 1e9, "rows": rows, "steps": []}
     for m in args.m:
         for name, (n, k, _) in projs.items():
-            rows.append(measure(name, n, k, m, bw, not args.no_sweep, num_sms))
+            rows.append(measure(name, n, k, m, bw, not args.no_sweep, num_sms, args.wide))
             print({k: v for k, v in rows[-1].items() if k != "sweep"}, flush=True)
             write_result("gemv", result)
         result["steps"].append(step_estimate(rows, projs, m))
