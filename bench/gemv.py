@@ -35,8 +35,12 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
 
 # Wider W tiles against the x tile's rows (--wide). A row tile of x is loaded from L2 into shared
 # memory by every program beside its W tile: with 64 x rows and 32 W rows that is twice W's bytes
-# per K step, which a GEMV at 40 rows may pay for in L2 bandwidth. Wide W tiles leave fewer N tiles
-# than SMs, so each is split over K until the programs fill whole waves.
+# per K step, which a GEMV at 40 rows might pay for in L2 bandwidth. Wide W tiles leave fewer N tiles
+# than SMs, so each is split over K until the programs fill whole waves. H200, session 31
+# (results/logs/s31/gemv_wide.*): they did not win. At 40 rows the best per projection stayed
+# [32..64, 128] tiles (7B step 4.13 ms against cuBLAS 4.24, floor 3.07); [128, 64] tiles split to
+# fill waves took 4.84 (qkv 40.3 us against 30.5), and in the graphed 5-token verify b 8 took 4.94
+# ms against 4.26 on cuBLAS and 4.61 with the narrow 64-row tiles.
 WIDE_TILES = ((32, 128), (64, 128), (128, 64), (128, 128), (256, 64))
 
 
