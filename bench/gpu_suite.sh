@@ -73,7 +73,8 @@ for s in "$@"; do
     # alternating e2e passes (E2E_MPS_ARGS: e2e.py's arguments; MPS_PASSES per side). The MPS control
     # daemon is a user-space process started here and stopped after; no GPU setting changes. Side A
     # points its processes at a pipe folder without a daemon, so they run without MPS. The control
-    # log's client lines say whether B's processes did connect. Not yet run on a device (session 30).
+    # log's client lines say whether B's processes did connect. Session 31 (H200, 7B + 68m, 2 passes): MPS
+    # gave 0.96x / 0.90x the speculative tok/s at b 1 / 8 (logs/s31/e2e-mps.log): not used.
     e2e-mps)
       mps=/tmp/specdec-mps; mkdir -p $mps/pipe $mps/log $mps/none
       CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log nvidia-cuda-mps-control -d \
