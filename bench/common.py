@@ -55,9 +55,12 @@ KERNEL_SETS = {
     # split-K GEMVs (the small drafts' o / down projections, the 7B's down at 2..16 rows) summed by
     # a second kernel instead of each tile's last program (gemv.SPLIT_REDUCE_MODES)
     "splitk_separate": dict(fused=True, gemv=True, pdl=True, norm=True, split_reduce="separate"),
-    # the GEMV for steps of up to 64 rows (the default stops at gemv.SERVE_MAX_M = 16, cuBLAS above):
-    # verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32
-    "gemv_m64": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=64),
+    # the GEMV for steps of up to 16 rows only, the BLAS above (the default before session 31; the
+    # default takes up to 64: verification at b 8 with γ = 4 is 40 rows, decode at b 32 is 32)
+    "gemv_m16": dict(fused=True, gemv=True, pdl=True, norm=True, gemv_max_m=16),
+    # up to 64 rows at any width (the default leaves projections wider than gemv.WIDE_MAX_N above
+    # 16 rows, the 7B's gate_up and LM head, to the BLAS)
+    "gemv_m64_all_n": dict(fused=True, gemv=True, pdl=True, norm=True, wide_max_n=None),
     # the attention's keys in an unmasked loop and a masked one (triton_attention.single_key_loop;
     # the default runs one masked loop: one software pipeline)
     "two_key_loops": dict(fused=True, gemv=True, pdl=True, norm=True, single_key_loop=False),
@@ -93,6 +96,7 @@ def kernel_set(model, name: str):
         gemv._counters(torch.device("cuda", torch.cuda.current_device()))   # zeroed before any capture
     with (pdl.forced(chosen["pdl"]), gemv.split_reduce_forced(reduce),
           gemv.serve_max_m_forced(chosen.get("gemv_max_m", gemv.SERVE_MAX_M)),
+          gemv.wide_max_n.forced(chosen.get("wide_max_n", gemv.WIDE_MAX_N)),
           triton_attention.merge_warps.forced(chosen.get("merge_warps", 0)),
           triton_attention.small_split_tiles.forced(chosen.get("small_split", True)),
           triton_attention.single_key_loop.forced(chosen.get("single_key_loop", True)),

@@ -1,7 +1,8 @@
 """Which BLAS library torch's matrix products use on CUDA.
 
-The linears of steps above the GEMV's rows (gemv.SERVE_MAX_M: a verify of 8 sequences x 5 tokens
-is 40 rows, a decode at batch 32 is 32, prompt chunks more) and the ops outside the GEMV go to
+The linears the GEMV does not take (steps above gemv.SERVE_MAX_M rows, prompt chunks; above 16
+rows the projections wider than gemv.WIDE_MAX_N, such as the 7B's gate_up and LM head in a verify
+of 8 sequences x 5 tokens, 40 rows) and the ops outside the GEMV go to
 F.linear, which torch hands to cuBLAS by default. At 32 and 40 rows cuBLAS (torch 2.11, CUDA 13.0,
 H200) runs the 7B's o and down projections as split-K with a separate reduce kernel. Through
 cuBLASLt the heuristic picks kernels without the split (as cuBLAS does without a workspace:

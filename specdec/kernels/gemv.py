@@ -9,7 +9,8 @@ At these sizes a projection is a read of W and nothing else (Llama-7B o_proj: 32
   operands the compiler pipelines through shared memory (num_stages deep); M up to 64 (verification
   at batch 8 with up to 7 drafts) runs in ceil(M / BLOCK_M) row tiles of 16, 32 or 64, the row
   tiles of one W tile in adjacent programs, so that all but the first read W from L2. `linear`
-  hands the kernel at most SERVE_MAX_M rows (below: cuBLAS serves more, until a tile beats it);
+  hands the kernel at most SERVE_MAX_M rows, and above 16 rows only projections up to WIDE_MAX_N
+  wide (below: the BLAS serves the rest);
 - BLOCK_N shrinks for small N so that there are programs for every SM; where even the smallest
   BLOCK_N leaves SMs idle, K is split over a second grid axis: each program stores its fp32 partial,
   and the last of an N tile's programs to arrive (an atomic count per tile) sums them in split order
@@ -339,6 +340,11 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
         block_n, block_k, warps, stages = 32, 128, 4, 5 if n <= 16384 else 3
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m_for(m))   # programs before any split
+    if block_m_for(m) == 64:
+        # H200, session 31 (bench/gemv.py --m 40 --wide, logs/s31/gemv_wide.json): 64-row tiles
+        # took 30.5 us for the 7B's qkv at 3 stages against ~37 at 5; o and down (split over K)
+        # 13.0 / 29.6 at 4 stages
+        stages = 4 if tiles < num_sms else 3
     split = 1
     if tiles < num_sms:
         # Whole K blocks per split, at most 16 splits; the count is the one gemv() launches.
@@ -552,20 +558,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            on_cpu: bool = False) -> torch.Tensor:
     """F.linear, on the GEMV kernel where it serves: CUDA (or on_cpu, for interpreter tests), 2-D
-    after flattening, M <= the dispatch bound (SERVE_MAX_M unless serve_max_m_forced raises it to at
-    most MAX_M), matching 16/32-bit dtypes. Anything else is F.linear's."""
+    after flattening, M <= the dispatch bound (SERVE_MAX_M unless serve_max_m_forced changes it),
+    above SMALL_TILE_MAX_M rows N <= wide_max_n, matching 16/32-bit dtypes. Anything else is F.linear's."""
     if not _serves(x, weight, bias, on_cpu):
         return F.linear(x, weight, bias)
     return _on_rows(x, weight, bias)
 
 
-# The most rows `linear` (and GemvOps) hand to the kernel; above it, cuBLAS. The kernel serves up to
-# MAX_M, but on the H200 (bench/gemv.py --m 40, session 18) its default 64-row tiles lost to cuBLAS
-# at 40 rows (the 7B's projections 4.68 vs 4.28 ms a step; the sweep's best per projection 4.20;
-# M tiles of 16 rows, session 19: 7.28), so steps of 17..64 rows stay on cuBLAS until a tile wins: the kernel set gemv_m64 of
-# bench/common.py (serve_max_m_forced(64)) times them. Read when a step's ops run: a CUDA graph
-# keeps the path it was captured with.
-SERVE_MAX_M = 16
+# The most rows `linear` (and GemvOps) hand to the kernel; above it, the BLAS (kernels/blas.py).
+# Steps of more than SMALL_TILE_MAX_M rows run on 64-row tiles, and there projections wider than
+# WIDE_MAX_N stay on the BLAS as well. H200, session 31 (results/logs/s31/call4_*, call5_*): at 40
+# rows bench/gemv.py's sweep found the kernel ahead of F.linear on cuBLAS for the 7B's qkv, o and
+# down (30.5 / 13.0 / 29.6 us against 32.1 / 15.2 / 31.0, once the 64-row tiles ran 3-4 stages
+# instead of 5) and behind on gate_up (53.8 against 52.0, 22016 wide); in the graphed forward,
+# against the default BLAS (cuBLASLt) for every 17..64-row step, the 7B's 5-token verify at b 8
+# took 4.05 / 4.06 ms against 4.26 (two runs), its b 32 decode 4.31 against 4.54, the drafts' b 32
+# decode 0.118 / 0.449 / 1.142 ms (68m / 160m / 1.1B) against 0.127 / 0.501 / 1.253; steps of up
+# to 16 rows unchanged. (Session 18, 5 stages and gate_up included: 4.68 against 4.28 ms.)
+# serve_max_m_forced(16) is the old bound (the kernel set gemv_m16). Read when a step's ops run: a
+# CUDA graph keeps the path it was captured with.
+SERVE_MAX_M = 64
+SMALL_TILE_MAX_M = 16
+WIDE_MAX_N = 16384
 
 
 def _serve_bound(m: int) -> int:
@@ -579,8 +593,21 @@ _serve_max_m: Switch[int] = Switch(SERVE_MAX_M, _serve_bound)
 serve_max_m_forced = _serve_max_m.forced
 
 
+def _check_max_n(n: int | None) -> int | None:
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"wide_max_n {n!r}: expected None or a positive int")
+    return n
+
+
+# wide_max_n.forced(n): above SMALL_TILE_MAX_M rows, projections wider than n stay on the BLAS
+# (None: any width goes to the kernel, as the kernel set gemv_m64_all_n times)
+wide_max_n: Switch[int | None] = Switch(WIDE_MAX_N, _check_max_n)
+
+
 def _serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on_cpu: bool) -> bool:
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if m > SMALL_TILE_MAX_M and wide_max_n.value is not None and weight.shape[0] > wide_max_n.value:
+        return False
     return ((x.is_cuda or on_cpu) and m <= _serve_max_m.value and x.dtype == weight.dtype and x.dtype in _DTYPES
             and weight.dim() == 2 and weight.stride(-1) == 1 and x.shape[-1] != 0
             and (bias is None or bias.dtype == x.dtype))
@@ -673,6 +700,10 @@ class PendingNorm(NamedTuple):
 # The widest residual stream whose norm consumers of 2..16 rows take PDL by default (the 68m / 160m
 # drafts' 768; TinyLlama's 2048 and the 7B's 4096 are faster without it: see consumer_pdl).
 NARROW_NORM_N = 1024
+# The most tokens a step may have for the norm fusion by default (GemvOps.norm_bound): what was
+# timed. At 40 rows it did not help (H200, session 31: the 7B's 5-token verify at b 8 4.99 ms with
+# it against 4.94 without, on the wide-tile experiment).
+NORM_MAX_M = 16
 
 
 class GemvOps:
@@ -689,7 +720,7 @@ class GemvOps:
     not the separate kernel's bits. Two kernels fewer per layer. With norm_ahead (the default) the
     producer also writes the stream times the norm weight (gemv(norm_weight=)) and the consumer
     reads that, its K steps without the multiply (the same bits).
-    Which steps: norm_max_m tokens at most where set; by default (None) steps of up to SERVE_MAX_M
+    Which steps: norm_max_m tokens at most where set; by default (None) steps of up to NORM_MAX_M
     tokens, whatever the width (wide streams' consumers of 2..16 rows without PDL: consumer_pdl).
     H200, same weights, graphed decode (bench/timeline.py): at b 1 the forward took 3688 vs 3722
     us (7B), 294 vs 309 (160m), 897 vs 946 (1.1B; session 12). On the tl.dot path (2..16 rows) the
@@ -719,7 +750,7 @@ class GemvOps:
         """The most tokens a step may have for the norm fusion."""
         if self.norm_max_m is not None:
             return self.norm_max_m
-        return SERVE_MAX_M   # what was timed, whatever serve_max_m_forced says
+        return NORM_MAX_M   # what was timed, whatever serve_max_m_forced says
 
     def add_rmsnorm(self, x, residual, norm):
         if isinstance(x, RowLinear):

@@ -21,8 +21,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
                 gemv_kernels: bool | None = None) -> LlamaModel:
     """An uninitialised model (weights are whatever memory held) on device in dtype. fused_kernels:
     Triton norm/RoPE/SiLU kernels; gemv_kernels: the Triton GEMV for the linear layers of steps with
-    <= gemv.SERVE_MAX_M (16) tokens (H200, Llama-7B bf16: graph replay 3.91 ms vs 4.26 ms on cuBLAS at batch 1, 4.11 vs
-    4.37 at batch 8, equal at 32; bench/results/decode.json). None = on CUDA devices only."""
+    <= gemv.SERVE_MAX_M (64) tokens, above 16 tokens only up to gemv.WIDE_MAX_N wide (H200, Llama-7B
+    bf16: graph replay 3.91 ms vs 4.26 ms on cuBLAS at batch 1, 4.11 vs 4.37 at batch 8, session 12;
+    4.31 vs 4.54 at batch 32, session 31). None = on CUDA devices only."""
     on_cuda = torch.device(device).type == "cuda"
     fused_kernels = on_cuda if fused_kernels is None else fused_kernels
     gemv_kernels = on_cuda if gemv_kernels is None else gemv_kernels

@@ -108,23 +108,34 @@ def test_linear_dispatch():
 
 
 def test_linear_dispatch_bound_and_its_override(monkeypatch):
-    """By default steps of up to SERVE_MAX_M (16) rows go to the kernel and 40 rows (verification at
-    b 8, γ 4) to F.linear; under serve_max_m_forced(64) (the kernel set gemv_m64) the 40 rows go to
-    the kernel too, and the bound comes back after the block."""
+    """By default steps of up to SERVE_MAX_M (64) rows go to the kernel (40 rows: verification at
+    b 8, γ 4), except that above 16 rows a projection wider than WIDE_MAX_N goes to F.linear;
+    serve_max_m_forced(16) (the kernel set gemv_m16) sends the 40 rows to F.linear and
+    wide_max_n.forced(None) the wide projection to the kernel; the bounds come back after the block."""
     calls = []
-    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[0].shape[0]) or F.linear(*a[:2]))
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append((a[0].shape[0], a[1].shape[0]))
+                        or F.linear(*a[:2]))
     x, w, _ = _operands(40, 24, 40, torch.float32, "cpu", bias=False)
-    assert gemv_module.SERVE_MAX_M == 16
+    wide = torch.zeros(gemv_module.WIDE_MAX_N + 8, 40)
+    assert gemv_module.SERVE_MAX_M == 64 and gemv_module.SMALL_TILE_MAX_M == 16
     linear(x, w, on_cpu=True)
-    linear(x[:16], w, on_cpu=True)
-    assert calls == [16]
-    with gemv_module.serve_max_m_forced(64):
+    linear(x, wide, on_cpu=True)          # 40 rows, too wide: F.linear
+    linear(x[:16], wide, on_cpu=True)     # 16 rows: the kernel at any width
+    linear(x[:17], wide, on_cpu=True)     # 17: F.linear
+    assert calls == [(40, 24), (16, wide.shape[0])]
+    with gemv_module.serve_max_m_forced(16):
         linear(x, w, on_cpu=True)
-    assert calls == [16, 40]
+    with gemv_module.wide_max_n.forced(None):
+        linear(x, wide, on_cpu=True)
+    assert calls == [(40, 24), (16, wide.shape[0]), (40, wide.shape[0])]
     linear(x, w, on_cpu=True)
-    assert calls == [16, 40]
+    linear(x, wide, on_cpu=True)
+    assert calls[3:] == [(40, 24)]
     with pytest.raises(ValueError, match="outside"):
         with gemv_module.serve_max_m_forced(MAX_M + 1):
+            pass
+    with pytest.raises(ValueError, match="wide_max_n"):
+        with gemv_module.wide_max_n.forced(0):
             pass
 
 

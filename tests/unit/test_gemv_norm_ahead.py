@@ -128,17 +128,17 @@ def test_pending_norm_hands_its_consumer_the_weighted_stream():
 def test_by_default_steps_of_up_to_16_tokens_fuse_at_any_width():
     """norm_max_m None (the default): steps of 1..16 tokens take the fusion, narrow or wide; more
     than 16 never. An explicit norm_max_m decides alone."""
-    from specdec.kernels.gemv import NARROW_NORM_N, GemvOps, RowLinear, SERVE_MAX_M
+    from specdec.kernels.gemv import NARROW_NORM_N, NORM_MAX_M, GemvOps, RowLinear, SERVE_MAX_M
     from specdec.models.llama import TorchLayerOps
     ops = GemvOps(TorchLayerOps(), on_cpu=True, fuse_norm=True)
-    assert ops.norm_max_m is None and ops.norm_bound() == SERVE_MAX_M
+    assert ops.norm_max_m is None and ops.norm_bound() == NORM_MAX_M == 16 < SERVE_MAX_M
     narrow, wide = torch.zeros(NARROW_NORM_N, 8), torch.zeros(NARROW_NORM_N + 8, 8)
-    for m, want in ((1, True), (2, True), (SERVE_MAX_M, True), (SERVE_MAX_M + 1, False)):
+    for m, want in ((1, True), (2, True), (NORM_MAX_M, True), (NORM_MAX_M + 1, False)):
         x = torch.zeros(m, 8)
         assert isinstance(ops.row_linear(x, narrow), RowLinear) == want, m
         assert isinstance(ops.row_linear(x, wide), RowLinear) == want, m
-    with gemv_module.serve_max_m_forced(64):   # the GEMV serving more rows does not widen the fusion
-        assert not isinstance(ops.row_linear(torch.zeros(SERVE_MAX_M + 1, 8), narrow), RowLinear)
+    # the GEMV serving more rows (64 by default) does not widen the fusion
+    assert not isinstance(ops.row_linear(torch.zeros(SERVE_MAX_M, 8), narrow), RowLinear)
     ops.norm_max_m = 1
     assert not isinstance(ops.row_linear(torch.zeros(2, 8), wide), RowLinear)
     assert ops.norm_bound() == 1

@@ -125,7 +125,7 @@ def test_norm_consumer_at_17_to_64_rows_matches_float64_rmsnorm(device, m, block
 
 def test_producer_then_consumer_chain_at_40_rows():
     """The fused layer boundary at verify size: o_proj with the residual epilogue, then qkv reading
-    its stream and sums (GemvOps.add_rmsnorm -> linear(PendingNorm)) under serve_max_m_forced(64)."""
+    its stream and sums (GemvOps.add_rmsnorm -> linear(PendingNorm)) with the kernel serving 40 rows."""
     m, h, q = 40, 96, 40
     x, wo, gen = _ops(m, h, h, seed=9)
     wq = torch.randn(q, h, generator=gen) * 0.1
@@ -178,26 +178,27 @@ def _count_gemv(monkeypatch):
 def test_forced_bound_comes_back_after_an_exception_and_when_nested(monkeypatch):
     calls = _count_gemv(monkeypatch)
     x, w, _ = _ops(40, 24, 32)
-    assert gemv_module._serve_max_m.value == gemv_module.SERVE_MAX_M == 16
+    assert gemv_module._serve_max_m.value == gemv_module.SERVE_MAX_M == 64
     with pytest.raises(RuntimeError, match="boom"):
-        with gemv_module.serve_max_m_forced(64):
-            linear(x, w, on_cpu=True)
+        with gemv_module.serve_max_m_forced(16):
+            linear(x, w, on_cpu=True)                       # 40 > 16: F.linear
             raise RuntimeError("boom")
-    assert gemv_module._serve_max_m.value == 16 and calls == [40]
-    linear(x, w, on_cpu=True)                               # cuBLAS again: no new kernel call
+    assert gemv_module._serve_max_m.value == 64 and calls == []
+    linear(x, w, on_cpu=True)                               # the kernel again
     assert calls == [40]
-    with gemv_module.serve_max_m_forced(64):
+    with gemv_module.serve_max_m_forced(16):
         with gemv_module.serve_max_m_forced(8):
             linear(x[:16], w, on_cpu=True)                  # 16 > 8: F.linear
             assert gemv_module._serve_max_m.value == 8
-        assert gemv_module._serve_max_m.value == 64
-        linear(x[:33], w, on_cpu=True)
-    assert gemv_module._serve_max_m.value == 16 and calls == [40, 33]
+        assert gemv_module._serve_max_m.value == 16
+        linear(x[:16], w, on_cpu=True)
+        linear(x[:33], w, on_cpu=True)                      # 33 > 16: F.linear
+    assert gemv_module._serve_max_m.value == 64 and calls == [40, 16]
     for bad in (0, MAX_M + 1):
         with pytest.raises(ValueError, match="outside"):
             with gemv_module.serve_max_m_forced(bad):
                 pass
-        assert gemv_module._serve_max_m.value == 16
+        assert gemv_module._serve_max_m.value == 64
 
 
 # -------------------------------------------------------------------------- warm_up repeats
