@@ -158,14 +158,15 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "do; cuda_graphs.py)")
     p.add_argument("--no-gemv-kernels", dest="gemv_kernels", action="store_const", const=False,
                    default=None, help="cuBLAS for every linear layer on cuda (default: the Triton GEMV "
-                                      "for steps of <= 16 tokens, cuBLAS above)")
+                                      "for steps of <= 64 tokens, above 16 only projections up to 16384 "
+                                      "wide; the BLAS for the rest)")
     p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
                    help="launch the Triton kernels without programmatic dependent launch (default: "
                         "with it on Hopper and newer GPUs; kernels/pdl.py)")
     p.add_argument("--blas", choices=BLAS_LIBRARIES,
                    help="on cuda, the library of the matrix products the Triton GEMV does not take (steps "
-                        "of > 16 tokens: verification at batch 8, prompts; default cublaslt, whose "
-                        "kernels at 32-40 rows skip cuBLAS's split-K reduce; kernels/blas.py)")
+                        "of > 64 tokens, prompts, and above 16 tokens the widest projections; default "
+                        "cublaslt, whose kernels at 32-40 rows skip cuBLAS's split-K reduce; kernels/blas.py)")
     p.add_argument("--graph-query-lens", help="comma-separated query lengths to graph (default: "
                                               "draft 1,2; target 1..min(max-num-draft, 8)+1)")
     p.add_argument("--graph-prefill-lens",
