@@ -48,6 +48,7 @@ from specdec.kernels.counters import arrival_counters
 from specdec.kernels.switch import Switch
 
 MAX_M = 64
+SMALL_TILE_MAX_M = 16   # the most rows of the 16-row tile (block_m_for); more run on 64-row tiles
 BLOCK_MS = (1, 16, 32, 64)   # row tiles: M = 1 without tl.dot; else tl.dot tiles, as many as M needs
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_DTYPES = (torch.bfloat16, torch.float32)   # gemv(norm=...): bf16's range holds x * weight
@@ -325,7 +326,7 @@ def block_m_for(m: int) -> int:
     MAX_M). H200, bench/gemv.py --m 40 32 (bench/results/gemv_m32_m40.json): the 64-row tile ties
     cuBLAS (7B projections at 40 rows 4.21 vs 4.25 ms a forward, per projection's best) where M tiles
     of 16 rows took 7.28 ms (session 19): W read again from L2 per M tile costs more than it saves."""
-    return 1 if m == 1 else 16 if m <= 16 else 64
+    return 1 if m == 1 else 16 if m <= SMALL_TILE_MAX_M else 64
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
@@ -334,13 +335,14 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     N <= 4096 leaves few programs per SM to hide latency with. M > 1: [16, 32, 128] tl.dot tiles, 5
     stages of cp.async except for the widest N (gate_up, the LM head), where 3 won. Split-K where
     the N tiles alone leave SMs idle (Llama-7B's down projection at M > 1; small draft models)."""
+    block_m = block_m_for(m)
     if m == 1:
         block_n, block_k, warps, stages = 8, 512, 8 if n <= 4096 else 4, 3
     else:
         block_n, block_k, warps, stages = 32, 128, 4, 5 if n <= 16384 else 3
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m_for(m))   # programs before any split
-    if block_m_for(m) == 64:
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)   # programs before any split
+    if block_m == 64:
         # H200, session 31 (bench/gemv.py --m 40 --wide, logs/s31/gemv_wide.json): 64-row tiles
         # took 30.5 us for the 7B's qkv at 3 stages against ~37 at 5; o and down (split over K)
         # 13.0 / 29.6 at 4 stages
@@ -351,7 +353,7 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
         blocks = triton.cdiv(k, block_k)
         per = max(1, blocks // triton.cdiv(num_sms, tiles), triton.cdiv(blocks, 16))
         split = triton.cdiv(blocks, per)
-    return GemvConfig(block_m=block_m_for(m), block_n=block_n, block_k=block_k, split_k=split,
+    return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split,
                       num_warps=warps, num_stages=stages)
 
 
@@ -578,7 +580,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # serve_max_m_forced(16) is the old bound (the kernel set gemv_m16). Read when a step's ops run: a
 # CUDA graph keeps the path it was captured with.
 SERVE_MAX_M = 64
-SMALL_TILE_MAX_M = 16
 WIDE_MAX_N = 16384
 
 
