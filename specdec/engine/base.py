@@ -26,7 +26,7 @@ from specdec.models.loader import build_model, init_random, load_model
 from specdec.models.synthetic import init_agreeing
 from specdec.runner import ModelRunner, SeqInput
 from specdec.tokenizer_info import tokenizer_fingerprint
-from specdec.engine.timing import DecodeProfile, ForwardClock
+from specdec.engine.timing import DecodeProfile, ForwardClock, host_clock
 from specdec.engine.types import Code, ModelInfo, SeqError, SeqFailure
 
 log = logging.getLogger("specdec.engine")
@@ -293,6 +293,7 @@ class ModelEngine:
             prompt_lens = WARMUP_PROMPT_LENS if self.device.type == "cuda" else ()
         prefills = self._warm_prefill(prompt_lens)
         blocks = self.runner.blocks
+        now = host_clock(self.device)  # the clock of the live forwards that move these entries
         for b in self.config.warmup_batch_sizes:
             if b * blocks.blocks_needed(WARMUP_CONTEXT + repeats + 1) > blocks.num_free:
                 continue
@@ -301,11 +302,11 @@ class ModelEngine:
                 times = []
                 for r in range(repeats + 1):
                     self.synchronize()
-                    t1 = time.perf_counter()
+                    t1 = now()
                     self.runner.step([SeqInput(sid, [1]) for sid in ids])
                     self.synchronize()
                     if r:
-                        times.append(time.perf_counter() - t1)
+                        times.append(now() - t1)
                 self.profile.set(b, statistics.median(times))
                 if self.runner.graphs is not None and self.tp.size == 1:
                     replay = self._replay_seconds(ids, repeats)

@@ -12,14 +12,30 @@ from specdec.cost_model import CostProfile
 from specdec.staging import current_stream
 
 
+def host_clock(device: torch.device) -> Callable[[], float]:
+    """The clock a forward on `device` is timed with from the host. On the CPU with one torch
+    thread, the calling thread's CPU time: the whole forward runs on that thread, and its CPU
+    time is the CPU analogue of a CUDA event's device time. The wall clock would add what a
+    shared machine takes away: preemption by other processes (the other model server, the
+    coordinator, Prometheus on a 2-core machine) and waits for the GIL held by the server's own
+    gRPC and metrics threads, all the larger a share of a short forward (a CI run exported c 2.4x
+    the value timed in a quiet process). With several torch threads the forward's work is spread
+    over threads this clock does not see, so it is the wall clock, as it is around a synchronised
+    CUDA forward."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 class ForwardClock:
     """Times the forwards of one step. On CUDA it records events and reads them only after the
-    step's final device-to-host copy has synchronised, so timing adds no sync inside the step.
-    A timed span may hold several forwards of one batch (a chain graph's replays): each gets
-    an equal share of its time."""
+    step's final device-to-host copy has synchronised, so timing adds no sync inside the step;
+    elsewhere it reads host_clock(device). A timed span may hold several forwards of one batch
+    (a chain graph's replays): each gets an equal share of its time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self._now = None if self.cuda else host_clock(device)
         # Recorded on the stream explicitly: Event.record() looks the current stream up (and the
         # device with it) in Python on every call, tens of microseconds a forward; and found
         # through the raw handle, since a clock is made every step.
@@ -36,9 +52,9 @@ class ForwardClock:
             end.record(self._stream)
             self._events.append((start, end, count))
         else:
-            t0 = time.perf_counter()
+            t0 = self._now()
             yield
-            self._host.append((time.perf_counter() - t0, count))
+            self._host.append((self._now() - t0, count))
 
     def seconds(self) -> list[float]:
         """Per-forward seconds; call after the step's results were copied to the host."""
