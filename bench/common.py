@@ -41,6 +41,10 @@ KERNEL_SETS = {
     # the norm fusion at 1-token steps only (GemvOps.norm_max_m; the default takes steps of up to
     # 16 tokens; before session 27 wide models took 1, the 768-wide drafts 16)
     "norm_m1": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=1),
+    # the norm fusion at steps of up to 64 rows (the b 8 verify's 40; the 7B's gate_up stays on the
+    # BLAS above 16 rows, so there only the qkv consumer fuses): timed on the wide tiles in session
+    # 31 (4.99 ms against 4.94), not yet on the narrow 64-row tiles that now serve those steps
+    "norm_m64": dict(fused=True, gemv=True, pdl=True, norm=True, norm_max_m=64),
     # every norm consumer on PDL (gemv.consumer_pdl; the default launches consumers of 2..16 rows on
     # streams wider than gemv.NARROW_NORM_N without it): what the fusion lost on wide models before
     "consumer_pdl": dict(fused=True, gemv=True, pdl=True, norm=True, consumer_pdl=True),

@@ -215,8 +215,9 @@ class LlamaModel(nn.Module):
         self._choose_ops()
 
     def set_gemv_kernels(self, enabled: bool) -> None:
-        """The Triton GEMV (kernels/gemv.py) for the projections and LM head where a step has <= 16
-        tokens on CUDA, cuBLAS otherwise; the same caveat about captured graphs."""
+        """The Triton GEMV (kernels/gemv.py) for the projections and LM head on CUDA where it serves
+        a step (gemv.linear: up to 16 tokens at any width, up to 64 for projections up to
+        WIDE_MAX_N wide), the BLAS otherwise; the same caveat about captured graphs."""
         self.gemv_kernels = enabled
         self._choose_ops()
 

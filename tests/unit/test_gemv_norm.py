@@ -124,6 +124,42 @@ def test_the_model_with_the_fusion_gives_the_separate_kernels_logits(device, dty
         assert err < tol, err
 
 
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", torch.float32, 1e-5),
+                                              pytest.param("cuda", torch.bfloat16, 2e-2, marks=pytest.mark.gpu)])
+def test_the_fusion_at_40_rows_gives_the_separate_kernels_logits(device, dtype, tol):
+    """norm_max_m = 64 (bench's norm_m64 set): a step of 40 rows (8 sequences verifying 5 tokens,
+    the b 8 verify) runs the fused norm's producers and consumers on the 64-row tiles, with the
+    logits of the separate kernels."""
+    model = _model(device, dtype)
+    if device == "cuda":
+        model.set_fused_kernels(True)
+
+    def logits(fused: bool):
+        _set_norm(model, fused, device, max_m=64)
+        runner = new_runner(model, dtype)
+        for s in range(8):
+            runner.add_sequence(s)
+        runner.step([SeqInput(s, [1 + s, 2, 3]) for s in range(8)])   # 24 rows
+        rows, original = [], gemv_module.gemv
+
+        def spy(*a, **kw):
+            if kw.get("norm") is not None or kw.get("residual") is not None:
+                rows.append(a[0].shape[0])
+            return original(*a, **kw)
+        gemv_module.gemv = spy
+        try:
+            return torch.cat(runner.step([SeqInput(s, [4 + s, 5, 6, 7, 8], num_logits=5) for s in range(8)])), rows
+        finally:
+            gemv_module.gemv = original
+
+    want, unfused = logits(False)
+    got, fused = logits(True)
+    assert not unfused and len(fused) == 6 and set(fused) == {40}   # 3 producers, 3 consumers
+    assert torch.isfinite(got).all()
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < tol, err
+
+
 def test_steps_the_gemv_does_not_serve_fall_back_to_the_separate_ops():
     """65 tokens (above MAX_M): cuBLAS-sized projections, no RowLinear or PendingNorm reaches a
     kernel; logits as without the fusion."""
