@@ -274,7 +274,7 @@ class ModelEngine:
 
     # --- timing ------------------------------------------------------------------------------
     def clock(self) -> ForwardClock:
-        return ForwardClock(self.device)
+        return ForwardClock(self.device, self.tp.size)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -293,7 +293,7 @@ class ModelEngine:
             prompt_lens = WARMUP_PROMPT_LENS if self.device.type == "cuda" else ()
         prefills = self._warm_prefill(prompt_lens)
         blocks = self.runner.blocks
-        now = host_clock(self.device)  # the clock of the live forwards that move these entries
+        now = host_clock(self.device, self.tp.size)  # the live forwards' clock (they move these entries)
         for b in self.config.warmup_batch_sizes:
             if b * blocks.blocks_needed(WARMUP_CONTEXT + repeats + 1) > blocks.num_free:
                 continue

@@ -12,7 +12,7 @@ from specdec.cost_model import CostProfile
 from specdec.staging import current_stream
 
 
-def host_clock(device: torch.device) -> Callable[[], float]:
+def host_clock(device: torch.device, ranks: int = 1) -> Callable[[], float]:
     """The clock a forward on `device` is timed with from the host. On the CPU with one torch
     thread, the calling thread's CPU time: the whole forward runs on that thread, and its CPU
     time is the CPU analogue of a CUDA event's device time. The wall clock would add what a
@@ -21,8 +21,9 @@ def host_clock(device: torch.device) -> Callable[[], float]:
     gRPC and metrics threads, all the larger a share of a short forward (a CI run exported c 2.4x
     the value timed in a quiet process). With several torch threads the forward's work is spread
     over threads this clock does not see, so it is the wall clock, as it is around a synchronised
-    CUDA forward."""
-    if device.type == "cpu" and torch.get_num_threads() == 1:
+    CUDA forward; so it is for a tensor-parallel rank (ranks > 1), whose forward includes its
+    all-reduces, which wait for the other ranks (a CUDA event counts that wait too)."""
+    if device.type == "cpu" and ranks == 1 and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
 
@@ -30,12 +31,12 @@ def host_clock(device: torch.device) -> Callable[[], float]:
 class ForwardClock:
     """Times the forwards of one step. On CUDA it records events and reads them only after the
     step's final device-to-host copy has synchronised, so timing adds no sync inside the step;
-    elsewhere it reads host_clock(device). A timed span may hold several forwards of one batch
+    elsewhere it reads host_clock(device, ranks). A timed span may hold several forwards of one batch
     (a chain graph's replays): each gets an equal share of its time."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ranks: int = 1):
         self.cuda = device.type == "cuda"
-        self._now = None if self.cuda else host_clock(device)
+        self._now = None if self.cuda else host_clock(device, ranks)
         # Recorded on the stream explicitly: Event.record() looks the current stream up (and the
         # device with it) in Python on every call, tens of microseconds a forward; and found
         # through the raw handle, since a clock is made every step.

@@ -1,6 +1,7 @@
 """A CPU forward is timed by the CPU time of the thread that runs it when torch has one thread
 (the servers' setting on a shared machine), so waiting (preemption, the GIL held by another
-thread) is not counted as the model's cost; with several torch threads it is the wall clock."""
+thread) is not counted as the model's cost; with several torch threads, or tensor-parallel ranks,
+it is the wall clock."""
 from __future__ import annotations
 
 import threading
@@ -61,4 +62,7 @@ def test_several_threads_use_the_wall_clock(torch_threads):
     assert t >= 0.05, t
     torch_threads(1)
     assert host_clock(torch.device("cpu")) is time.thread_time
+    # a tensor-parallel rank waits for the others in its all-reduces: part of its forward
+    assert host_clock(torch.device("cpu"), ranks=2) is time.perf_counter
+    assert ForwardClock(torch.device("cpu"), ranks=2)._now is time.perf_counter
     assert host_clock(torch.device("meta")) is time.perf_counter
