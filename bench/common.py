@@ -176,8 +176,20 @@ def environment() -> dict:
         env.update(device=p.name, sms=p.multi_processor_count, gpus=torch.cuda.device_count(),
                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
     else:
-        env["device"] = "cpu: " + platform.processor()
+        env["device"] = f"cpu: {cpu_model()} ({os.cpu_count()} cores)"
     return env
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, where platform.processor() is often empty)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 FLUSH_BYTES = 512 * 2**20   # what cold_ms reads (or zeroes) between calls: ten times an H200's L2
