@@ -15,7 +15,7 @@ from specdec.models.llama import LlamaModel
 from specdec.staging import pack_to_device
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per sequence per step (engine/types.py)
 class SeqInput:
     seq_id: Hashable
     token_ids: Sequence[int]

@@ -1,4 +1,9 @@
-"""Data contracts between the gRPC servicers and the engines: plain Python and tensors, no protobuf."""
+"""Data contracts between the gRPC servicers and the engines: plain Python and tensors, no protobuf.
+
+The per-sequence types (DraftSeqInput, DraftOutput, VerifySeqInput, VerifyOutput) are made for every
+sequence of every step, so they are slotted, not frozen: a frozen dataclass's __init__ sets each
+field through object.__setattr__ (1.6 us against 0.4 us for seven fields on the 2-core CPU VM,
+session 32), and nothing changes them after they are made."""
 from __future__ import annotations
 
 import enum
@@ -50,7 +55,7 @@ class StepTiming:
     engine_seconds: float = 0.0  # the servicer sets it: the engine's own step_seconds
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DraftSeqInput:
     seq_id: int
     keep: int
@@ -61,7 +66,7 @@ class DraftSeqInput:
     extend: bool = False  # draft after the proposal's unconfirmed rest (DraftSeq.extend)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DraftOutput:
     seq_id: int
     tokens: list[int] = field(default_factory=list)
@@ -71,7 +76,7 @@ class DraftOutput:
     error: SeqError | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class VerifySeqInput:
     seq_id: int
     new_tokens: list[int]
@@ -82,7 +87,7 @@ class VerifySeqInput:
     first: bool = False  # the sequence's first message: allocate it (see unknown_seq)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class VerifyOutput:
     seq_id: int
     accepted: int = 0
