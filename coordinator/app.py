@@ -108,8 +108,9 @@ class Coordinator:
         required; a draft that does not answer is tried again in the background (the draft is
         optional), but a draft that answers with another vocabulary is a start-up error."""
         channel = config.step_channel == "auto"
-        target = ModelServer("target", config.target, metrics, step_channel=channel)
-        draft = ModelServer("draft", config.draft, metrics, step_channel=channel) if config.draft else None
+        poll_s = config.busy_poll_ms / 1e3
+        target = ModelServer("target", config.target, metrics, step_channel=channel, poll_s=poll_s)
+        draft = ModelServer("draft", config.draft, metrics, step_channel=channel, poll_s=poll_s) if config.draft else None
         waits = [target.wait_ready(config.connect_timeout_s)]
         if draft is not None:
             waits.append(draft.wait_ready(config.connect_timeout_s))

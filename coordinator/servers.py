@@ -5,7 +5,8 @@ the server's step channel (a plain socket it names in Info, specdec/serving/step
 the event loop reads the answer itself, no gRPC thread hand-off) where it has one and the
 coordinator may use it, else one gRPC bidi call. Exactly one request is in flight on it, so
 responses pair with requests by order. A stream that fails is dropped and reopened on the next
-step.
+step. Where the server is on this host, the channel's frames go through shared memory
+(protos/shared_slots.py) and the coordinator polls for the answer there.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import grpc
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from protos.wire import FRAME_ERROR, MAX_MESSAGE_BYTES, frame, read_frame
+from protos import shared_slots
+from protos.shared_slots import TO_CLIENT, TO_SERVER, Inbox, SharedSlots, SharedSlotsError
+from protos.wire import FRAME_ERROR, FRAME_OFFER, MAX_MESSAGE_BYTES, frame, read_frame
 from specdec import trace
 from specdec.metrics import CoordinatorMetrics
 
@@ -144,11 +147,15 @@ class ChannelCall:
     """One connection to a server's step channel, used as the gRPC stream call is (write, read,
     done, cancel): read returns grpc.aio.EOF where the server closed it between frames."""
 
-    def __init__(self, host: str, port: int, response_cls, connect_timeout: float = CHANNEL_CONNECT_TIMEOUT_S):
+    def __init__(self, host: str, port: int, response_cls, connect_timeout: float = CHANNEL_CONNECT_TIMEOUT_S,
+                 shared: "SharedFrames | None" = None):
         self.host, self.port, self.response_cls = host, port, response_cls
         self.connect_timeout = connect_timeout
+        self.shared = shared
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._slots: SharedSlots | None = None   # the connection's shared slots, where the server took them
+        self._inbox: Inbox | None = None
         self._rpc = "Propose" if response_cls is pb.ProposeResponse else "Verify"  # (trace marks)
         self._step = 0
 
@@ -156,24 +163,58 @@ class ChannelCall:
         """Whether the connection is gone (closed here, or by the server between steps)."""
         return self._writer is not None and (self._writer.is_closing() or self._reader.at_eof())
 
+    async def _connect(self) -> None:
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), self.connect_timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise ChannelUnreachable(f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
+
+    async def _offer(self) -> None:
+        """Offers the server shared slots (first thing on a new connection). Taken: frames go
+        through them from here on. Refused, or a server that does not know the offer (it answers
+        an error and closes): socket frames, on a new connection in the second case, and the
+        ModelServer offers no more until the server restarts."""
+        try:
+            slots = SharedSlots.create()
+        except SharedSlotsError as e:
+            self.shared.refuse(f"coordinator: {e}")
+            return
+        try:
+            self._writer.write(frame(slots.offer(), FRAME_OFFER))
+            await self._writer.drain()
+            kind, payload = await asyncio.wait_for(read_frame(self._reader), self.connect_timeout)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
+            kind, payload = FRAME_ERROR, f"no answer to the offer ({type(e).__name__})".encode()
+        finally:
+            slots.unlink()   # opened by the server by now, or never: the mappings stay
+        if kind == FRAME_OFFER and not payload:
+            self._slots = slots
+            self._inbox = Inbox(self._reader, slots, TO_CLIENT, self.shared.spin_s)
+            log.info("%s step channel at %s:%d: frames through shared memory", self._rpc, self.host, self.port)
+            return
+        slots.close()
+        self.shared.refuse(f"server: {payload.decode('utf-8', 'replace')}")
+        if kind != FRAME_OFFER:   # the connection is closed or in an unknown state: a fresh one
+            self._writer.close()
+            await self._connect()
+
     async def write(self, request) -> None:
         if self._writer is None:
-            try:
-                self._reader, self._writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.host, self.port), self.connect_timeout)
-            except (OSError, asyncio.TimeoutError) as e:
-                raise ChannelUnreachable(f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
+            await self._connect()
+            if self.shared is not None and self.shared.wanted():
+                await self._offer()
         if trace.enabled:
             self._step = request.step
             trace.mark("c_built", self._rpc, request.step, len(request.seqs))
-        self._writer.write(frame(request.SerializeToString()))
+        shared_slots.send(self._writer, self._slots, TO_SERVER, request.SerializeToString())
         if trace.enabled:
             trace.mark("c_write", self._rpc, request.step)
         await self._writer.drain()
 
     async def read(self):
         try:
-            kind, payload = await read_frame(self._reader)
+            kind, payload = await (self._inbox.next() if self._inbox is not None else read_frame(self._reader))
             if trace.enabled:
                 trace.mark("c_read", self._rpc, self._step)
         except asyncio.IncompleteReadError as e:
@@ -190,8 +231,32 @@ class ChannelCall:
         return response
 
     def cancel(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         if self._writer is not None:
             self._writer.close()
+
+
+class SharedFrames:
+    """Whether a ModelServer's step channel connections offer shared slots: where the coordinator
+    polls (spin_s > 0: waiting for a frame on the socket would gain nothing), the CPU allows polling
+    them (shared_slots.SPIN) and SPECDEC_STEP_SHM is not 0; not again once a server refused (until
+    it restarts: reset)."""
+
+    def __init__(self, spin_s: float):
+        self.spin_s = spin_s
+        self.refused: str | None = None
+
+    def wanted(self) -> bool:
+        return self.spin_s > 0 and shared_slots.SPIN and self.refused is None and shared_slots.enabled()
+
+    def refuse(self, reason: str) -> None:
+        log.info("step channel: socket frames (no shared memory): %s", reason)
+        self.refused = reason
+
+    def reset(self) -> None:
+        self.refused = None
 
 
 def channel_host(address: str) -> str | None:
@@ -228,8 +293,10 @@ class ModelServer:
     specdec_rpc_seconds{role="coordinator"}, their failures into specdec_errors_total."""
 
     def __init__(self, role: str, address: str, metrics: CoordinatorMetrics | None = None,
-                 step_channel: bool = True):
-        """step_channel: step over the server's step channel where its Info names one."""
+                 step_channel: bool = True, poll_s: float = 0.0):
+        """step_channel: step over the server's step channel where its Info names one. poll_s: how
+        long the coordinator polls for an answer (its --busy-poll-ms): > 0 offers the channel's
+        server shared slots (SharedFrames)."""
         if role not in ("draft", "target"):
             raise ValueError(f"role: expected draft or target, got {role!r}")
         self.role, self.address, self.metrics = role, address, metrics
@@ -247,6 +314,7 @@ class ModelServer:
         self._call = None
         self._stale = False  # an Info named another channel: the next step opens a new call
         self._deadlines = StepDeadlines()
+        self.shared = SharedFrames(poll_s)
 
     @property
     def transport(self) -> str:
@@ -261,6 +329,7 @@ class ModelServer:
             self._stale = True
             self.step_port = info.step_port
             self._channel_off = False
+            self.shared.reset()
         elif self._failed_since_info:
             self._channel_off = False
         self._failed_since_info = False
@@ -356,7 +425,7 @@ class ModelServer:
             # A channel that takes no connection is given up in time for gRPC to serve the step
             # within its timeout: half of it at most.
             connect = CHANNEL_CONNECT_TIMEOUT_S if timeout is None else min(CHANNEL_CONNECT_TIMEOUT_S, timeout / 2)
-            return ChannelCall(self._channel_host, self.step_port, self._response_cls, connect)
+            return ChannelCall(self._channel_host, self.step_port, self._response_cls, connect, self.shared)
         return self.stub.Propose() if self.role == "draft" else self.stub.Verify()
 
     async def _exchange(self, request, on_sent=None):

@@ -93,6 +93,12 @@ def sparse_positions(rows: int, vocab_size: int, row_lengths: bytes, indices: by
 # payload is "<gRPC status name>: <message>" in UTF-8.
 FRAME_MESSAGE = 0
 FRAME_ERROR = 1
+# Shared-memory frames (protos/shared_slots.py): a doorbell (payload: the uint64 sequence number of
+# the frame written into the shared slot), and the offer of a mapping before the first step (the
+# coordinator's, naming it; the server's answer: empty where taken, else why not, in UTF-8).
+FRAME_SHARED = 2
+FRAME_OFFER = 3
+_KINDS = (FRAME_MESSAGE, FRAME_ERROR, FRAME_SHARED, FRAME_OFFER)
 _FRAME_HEADER = struct.Struct("<IB")
 
 
@@ -110,6 +116,6 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """(kind, payload) of the next frame; asyncio.IncompleteReadError where the stream ends
     (at a frame's start: a clean close), FrameError for a frame not to read."""
     length, kind = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
-    if not 1 <= length <= MAX_MESSAGE_BYTES or kind not in (FRAME_MESSAGE, FRAME_ERROR):
+    if not 1 <= length <= MAX_MESSAGE_BYTES or kind not in _KINDS:
         raise FrameError(f"frame of length {length} and kind {kind}: not a step channel frame")
     return kind, await reader.readexactly(length - 1)

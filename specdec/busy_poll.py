@@ -42,6 +42,9 @@ class BusyPoll:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="busy-poll")
         self._wake.set()
 
+    def is_paused(self) -> bool:
+        return self._paused > 0
+
     @contextlib.contextmanager
     def paused(self):
         self._paused += 1

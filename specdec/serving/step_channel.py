@@ -14,6 +14,11 @@ One connection is one step stream, served by the same loop as the gRPC stream
 protos/wire.py's. A step that fails as a whole is answered with an error frame ("<status name>:
 <message>", the status the gRPC stream would have ended with) and the connection is closed; so is
 a connection whose frame does not parse. Neither touches the server.
+
+A connection's first frame may offer shared slots (protos/shared_slots.py): the server takes them
+where it can open the mapping, and answers with an empty FRAME_OFFER, or with why not (socket frames
+then, as before). Taken, requests and answers go through them, and the server polls for the next
+request for as long as its event loop busy-polls.
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FrameError, frame, read_frame
+from protos import shared_slots
+from protos.shared_slots import TO_CLIENT, TO_SERVER, Inbox, SharedSlots, SharedSlotsError
+from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FRAME_OFFER, FrameError, frame, read_frame
 from specdec import trace
 from specdec.serving.errors import status_of
 
@@ -110,14 +117,34 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
     request_cls, rpc = servicer.request_cls, servicer.rpc_name
     busy = busy if busy is not None else [False]
     refused: list[str] = []  # why the request stream ended early, where it was the peer's fault
+    shared: list = [None, None]  # the connection's SharedSlots and Inbox, once an offer is taken
+    poll = servicer.runtime.busy_poll
+
+    def take_offer(payload: bytes) -> bytes:
+        """Opens the offered slots; the answer's payload (empty: taken)."""
+        if not shared_slots.enabled():
+            return b"SPECDEC_STEP_SHM=0 on the server"
+        try:
+            slots = SharedSlots.attach(payload)
+        except SharedSlotsError as e:
+            return str(e).encode()
+        shared[0] = slots
+        shared[1] = Inbox(reader, slots, TO_SERVER, poll.window_s, poll.is_paused)
+        return b""
 
     async def requests():
+        first = True
         while True:
             busy[0] = False
             if closing():  # shutting down: the step in flight was answered, no new one is taken
                 return
             try:
-                kind, payload = await read_frame(reader)
+                kind, payload = await (shared[1].next() if shared[1] is not None else read_frame(reader))
+                if kind == FRAME_OFFER and first:
+                    first = False
+                    writer.write(frame(take_offer(payload), FRAME_OFFER))
+                    continue
+                first = False
             except asyncio.IncompleteReadError as e:
                 if e.partial:
                     refused.append("the connection ended inside a frame")
@@ -146,7 +173,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
         async for response in servicer._steps(requests()):
             if trace.enabled:
                 trace.mark("s_ready", rpc, response.step)
-            writer.write(frame(response.SerializeToString()))
+            shared_slots.send(writer, shared[0], TO_CLIENT, response.SerializeToString())
             if trace.enabled:
                 trace.mark("s_write", rpc, response.step)
             await writer.drain()
@@ -169,4 +196,6 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             log.info("step channel: %s %s", code.name, message)
         writer.write(frame(f"{code.name}: {message}".encode(), FRAME_ERROR))
     finally:
+        if shared[1] is not None:
+            shared[1].close()
         writer.close()

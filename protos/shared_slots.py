@@ -1,0 +1,242 @@
+"""Step frames through shared memory, for a coordinator and a model server on one host.
+
+Over the step channel's TCP socket a frame takes 36-48 us from the writer's write to the reader's
+read on the H200 host with both event loops busy-polling (bench/wakeup.py; bench/trace_steps.py's
+wire_in / wire_out), four such hops a speculative step: the kernel's loopback path, not Python.
+Written into a shared mapping instead, the frame is there for the reader as soon as the writer's
+copy is done; a reader that polls sees it within one turn of its event loop.
+
+A connection's two processes share one mapping, created by the coordinator in /dev/shm and named
+to the server in an offer frame (FRAME_OFFER) before the first step; the server opens it, checks the
+nonce the coordinator wrote into it (so a file of that name in another container's /dev/shm is not
+taken for it) and answers; the coordinator then unlinks the file, so nothing is left behind when a
+process dies. Either side falls back to the plain socket frames: no /dev/shm, another host, another
+user, or SPECDEC_STEP_SHM=0 on either side.
+
+The mapping holds one slot per direction (coordinator -> server requests, server -> coordinator
+answers). A step channel carries one request at a time, answered in order, so a slot is never
+written while its last frame is being read: the writer of request n + 1 has read answer n, which
+was written after request n was read. A frame too large for its slot goes over the socket as it
+always did.
+
+Every frame written into a slot is followed by a doorbell frame on the socket (FRAME_SHARED, the
+frame's sequence number): a reader asleep in epoll wakes on it and reads the slot after it, which
+is safe on any CPU (the socket's system calls order the memory accesses). A polling reader looks
+at the slot's sequence number instead and drops the doorbell when it comes. That is only right
+where the CPU keeps stores in order (x86's total store order: the frame's bytes are visible before
+the sequence number written after them); elsewhere (SPIN False) readers wait for the doorbell.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import mmap
+import os
+import platform
+import secrets
+import struct
+import time
+
+from protos.wire import FRAME_MESSAGE, FRAME_SHARED, MAX_MESSAGE_BYTES, frame, read_frame
+
+# Polling a slot's sequence number is right only under total store order (see above).
+SPIN = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 4 << 20       # per direction: a Verify of 64 sequences with sparse draft rows fits
+TO_SERVER, TO_CLIENT = 0, 1
+_NONCE = 16
+_SLOT_HEAD = struct.Struct("<QI")            # sequence number, payload length
+_DATA = 64                                   # nonce, two slot heads, padding
+_OFFER = struct.Struct(f"<I{_NONCE}s")       # slot bytes, nonce; the path follows
+_SEQ = struct.Struct("<Q")
+
+
+def enabled() -> bool:
+    """SPECDEC_STEP_SHM=0 turns shared-memory frames off on this side (read at each connection)."""
+    return os.environ.get("SPECDEC_STEP_SHM", "1") != "0"
+
+
+class SharedSlotsError(OSError):
+    """The mapping could not be made or opened here; the connection keeps socket frames."""
+
+
+class SharedSlots:
+    """One connection's mapping: a slot per direction. put() writes a frame's payload and returns its
+    sequence number (None: too large for the slot); seq() reads a slot's last sequence number;
+    get() reads the payload of the frame with that number."""
+
+    def __init__(self, mm: mmap.mmap, slot_bytes: int, path: str, nonce: bytes):
+        self.mm, self.slot_bytes, self.path, self.nonce = mm, slot_bytes, path, nonce
+        self._sent = [0, 0]
+
+    @classmethod
+    def create(cls, slot_bytes: int = SLOT_BYTES, folder: str = SHM_DIR) -> SharedSlots:
+        nonce = secrets.token_bytes(_NONCE)
+        path = os.path.join(folder, f"specdec-step-{os.getpid()}-{nonce[:6].hex()}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise SharedSlotsError(f"cannot create {path}: {e}") from None
+        try:
+            os.ftruncate(fd, _DATA + 2 * slot_bytes)
+            mm = mmap.mmap(fd, _DATA + 2 * slot_bytes)
+        except OSError as e:
+            os.unlink(path)
+            raise SharedSlotsError(f"cannot map {path}: {e}") from None
+        finally:
+            os.close(fd)
+        mm[:_NONCE] = nonce
+        return cls(mm, slot_bytes, path, nonce)
+
+    def offer(self) -> bytes:
+        """The FRAME_OFFER payload naming this mapping."""
+        return _OFFER.pack(self.slot_bytes, self.nonce) + self.path.encode()
+
+    @classmethod
+    def attach(cls, offer: bytes) -> SharedSlots:
+        """The mapping an offer names, once its nonce matches; SharedSlotsError otherwise."""
+        if len(offer) <= _OFFER.size:
+            raise SharedSlotsError(f"an offer of {len(offer)} bytes")
+        slot_bytes, nonce = _OFFER.unpack_from(offer)
+        path = offer[_OFFER.size:].decode("utf-8", "replace")
+        if not 0 < slot_bytes <= MAX_MESSAGE_BYTES or os.path.dirname(path) != SHM_DIR:
+            raise SharedSlotsError(f"an offer of {slot_bytes}-byte slots at {path!r}")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise SharedSlotsError(f"cannot open {path}: {e}") from None
+        try:
+            if os.fstat(fd).st_size != _DATA + 2 * slot_bytes:
+                raise SharedSlotsError(f"{path} is not the size offered")
+            mm = mmap.mmap(fd, _DATA + 2 * slot_bytes)
+        except OSError as e:
+            raise SharedSlotsError(f"cannot map {path}: {e}") from None
+        finally:
+            os.close(fd)
+        if mm[:_NONCE] != nonce:
+            mm.close()
+            raise SharedSlotsError(f"{path} is not the mapping offered (another host's?)")
+        return cls(mm, slot_bytes, path, nonce)
+
+    def unlink(self) -> None:
+        """Removes the file (the mappings stay until closed)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _head(self, direction: int) -> int:
+        return _NONCE + direction * _SLOT_HEAD.size
+
+    def put(self, direction: int, payload: bytes) -> int | None:
+        n = len(payload)
+        if n > self.slot_bytes:
+            return None
+        start = _DATA + direction * self.slot_bytes
+        self.mm[start:start + n] = payload
+        seq = self._sent[direction] = self._sent[direction] + 1
+        # The length and then the number, after the bytes (in program order: see SPIN).
+        _SLOT_HEAD.pack_into(self.mm, self._head(direction), 0, n)
+        _SEQ.pack_into(self.mm, self._head(direction), seq)
+        return seq
+
+    def seq(self, direction: int) -> int:
+        return _SEQ.unpack_from(self.mm, self._head(direction))[0]
+
+    def get(self, direction: int, seq: int) -> bytes:
+        got, n = _SLOT_HEAD.unpack_from(self.mm, self._head(direction))
+        if got != seq or n > self.slot_bytes:
+            raise ConnectionError(f"shared slot holds frame {got} ({n} bytes) where frame {seq} was due")
+        start = _DATA + direction * self.slot_bytes
+        return self.mm[start:start + n]
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # a view still exported: the mapping goes with its last reference
+            pass
+
+
+def send(writer: asyncio.StreamWriter, slots: SharedSlots | None, direction: int, payload: bytes) -> None:
+    """Writes one message frame: through the slot with its doorbell, or on the socket."""
+    seq = slots.put(direction, payload) if slots is not None else None
+    writer.write(frame(payload) if seq is None else frame(_SEQ.pack(seq), FRAME_SHARED))
+
+
+class Inbox:
+    """The frames a connection receives where it shares slots: read_frame's (kind, payload), from
+    the socket or from the slot. A reader task takes the socket's frames (doorbells: the slot's
+    frame unless it was taken already); next() polls the slot for up to spin_s seconds (SPIN only),
+    not while paused() (work on another thread that a polling loop holding the GIL would slow),
+    before it waits for the reader. The reader's end (a close, a bad frame) is raised by next()
+    once the frames before it are taken."""
+
+    def __init__(self, reader: asyncio.StreamReader, slots: SharedSlots, direction: int, spin_s: float,
+                 paused=lambda: False):
+        self.slots, self.direction = slots, direction
+        self.spin_s = spin_s if SPIN else 0.0
+        self._paused = paused
+        self._taken = 0
+        self._frames: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read(reader))
+
+    def _take(self, seq: int) -> tuple[int, bytes]:
+        self._taken = seq
+        return FRAME_MESSAGE, self.slots.get(self.direction, seq)
+
+    def _put(self, item) -> None:
+        self._frames.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                kind, payload = await read_frame(reader)
+                if kind == FRAME_SHARED:
+                    if len(payload) != _SEQ.size:
+                        raise ConnectionError(f"a doorbell of {len(payload)} bytes")
+                    (seq,) = _SEQ.unpack(payload)
+                    if seq <= self._taken:
+                        continue   # polled from the slot already
+                    if seq != self._taken + 1:
+                        raise ConnectionError(f"doorbell {seq} after frame {self._taken}")
+                    self._put(self._take(seq))
+                else:
+                    self._put((kind, payload))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:   # (the connection's end, or a frame not to read)
+            self._put(e)
+
+    def _next_item(self):
+        item = self._frames.popleft()
+        if isinstance(item, BaseException):
+            self._frames.appendleft(item)   # every later call raises it too
+            raise item
+        return item
+
+    async def next(self) -> tuple[int, bytes]:
+        if self._frames:
+            return self._next_item()
+        if self.spin_s > 0:
+            until = time.monotonic() + self.spin_s
+            while True:
+                if self._frames:   # (first: the reader may have taken the slot's frame meanwhile)
+                    return self._next_item()
+                if self.slots.seq(self.direction) == self._taken + 1:
+                    return self._take(self._taken + 1)
+                if time.monotonic() >= until or self._paused():
+                    break
+                await asyncio.sleep(0)
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        return self._next_item()
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.slots.close()
