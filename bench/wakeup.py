@@ -17,7 +17,11 @@ processes) for receivers that wait in different ways, each in a fresh process:
 - poll+pin, poll+cuda+pin: poll, or poll+cuda, with the receiving (event loop) thread pinned to one
   CPU and every other thread of the process moved off it (pin_loop_thread), once set up. On the
   H200 host (session 18) poll+cuda took 58.7 us against 39.7 for poll: whether a CPU of its own
-  gives the loop back what the CUDA context's threads take.
+  gives the loop back what the CUDA context's threads take;
+- poll+shm, poll+cuda+shm: poll, or poll+cuda, with the frame written into shared slots
+  (protos/shared_slots.py: the step channel's frames between processes of one host) and a doorbell
+  on the socket; the receiver polls the slot (shared_slots.Inbox) as the servers and the
+  coordinator do.
 
 The sender waits --gap-ms between frames (a step's cadence) and for each frame's one-byte ack.
 Medians and p90 in us; writes bench/results/wakeup.json.
@@ -37,7 +41,8 @@ import time
 
 from common import ROOT, environment, table, write_result
 
-MODES = ("blocking", "asyncio", "poll", "poll+grpc", "poll+torch", "poll+cuda", "poll+pin", "poll+cuda+pin")
+MODES = ("blocking", "asyncio", "poll", "poll+grpc", "poll+torch", "poll+cuda", "poll+pin", "poll+cuda+pin",
+         "poll+shm", "poll+cuda+shm")
 _STAMP = struct.Struct("<d")
 
 
@@ -46,14 +51,22 @@ def _frame(t: float) -> bytes:
     return frame(_STAMP.pack(t) + bytes(200))   # about a Verify request of a few sequences
 
 
-def sender(port: int, frames: int, gap_s: float) -> None:
+def sender(port: int, frames: int, gap_s: float, offer: str | None = None) -> None:
+    """offer: the receiver's shared slots (hex of the offer): frames go through them."""
+    from protos.shared_slots import TO_SERVER, SharedSlots
+    from protos.wire import FRAME_SHARED, frame
+    slots = SharedSlots.attach(bytes.fromhex(offer)) if offer else None
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for _ in range(frames):
         until = time.perf_counter() + gap_s
         while time.perf_counter() < until:   # spins: the sender's own wake-up is not measured
             pass
-        sock.sendall(_frame(time.perf_counter()))
+        if slots is None:
+            sock.sendall(_frame(time.perf_counter()))
+        else:
+            seq = slots.put(TO_SERVER, _STAMP.pack(time.perf_counter()) + bytes(200))
+            sock.sendall(frame(seq.to_bytes(8, "little"), FRAME_SHARED))
         if sock.recv(1) != b"k":
             raise RuntimeError("receiver went away")
     sock.close()
@@ -79,7 +92,8 @@ def receive_blocking(srv: socket.socket, frames: int) -> list[float]:
     return out
 
 
-async def receive_async(srv: socket.socket, frames: int, mode: str) -> list[float]:
+async def receive_async(srv: socket.socket, frames: int, mode: str, slots=None) -> list[float]:
+    from protos.shared_slots import TO_SERVER, Inbox
     from protos.wire import read_frame
     from specdec.busy_poll import BusyPoll
     poll = BusyPoll(0.02 if mode != "asyncio" else 0.0)
@@ -91,14 +105,14 @@ async def receive_async(srv: socket.socket, frames: int, mode: str) -> list[floa
         await server.start()
         extras.append(server)
     work = None   # what the receiver does after each frame (poll+cuda: a synchronised kernel)
-    if mode in ("poll+torch", "poll+cuda", "poll+cuda+pin"):
+    if mode in ("poll+torch", "poll+cuda", "poll+cuda+pin", "poll+cuda+shm"):
         from concurrent.futures import ThreadPoolExecutor
 
         import torch
         executor = ThreadPoolExecutor(max_workers=1)
         executor.submit(lambda: None).result()
         extras.append(executor)
-        if mode in ("poll+cuda", "poll+cuda+pin"):
+        if mode in ("poll+cuda", "poll+cuda+pin", "poll+cuda+shm"):
             x = torch.ones(1 << 20, device="cuda")
 
             def kernel():
@@ -112,14 +126,17 @@ async def receive_async(srv: socket.socket, frames: int, mode: str) -> list[floa
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         out = []
+        inbox = Inbox(reader, slots, TO_SERVER, 0.02) if slots is not None else None
         for _ in range(frames):
-            _, payload = await read_frame(reader)
+            _, payload = await (inbox.next() if inbox is not None else read_frame(reader))
             out.append(time.perf_counter() - _STAMP.unpack(payload[:8])[0])
             if work is not None:
                 work()
             writer.write(b"k")
             poll.kick()
         got.set_result(out)
+        if inbox is not None:
+            inbox.close()
     server = await asyncio.start_server(serve, sock=srv)
     try:
         return await got
@@ -156,14 +173,21 @@ def pin_loop_thread() -> tuple[int, set[int]] | None:
 def receiver(mode: str, frames: int, gap_s: float) -> list[float]:
     """Runs one mode: the receiver here, the sender in a child process."""
     srv, port = _listen()
+    slots = None
+    if mode.endswith("+shm"):
+        from protos.shared_slots import SharedSlots
+        slots = SharedSlots.create()
     child = subprocess.Popen([sys.executable, __file__, "--send", str(port), "--frames", str(frames),
-                              "--gap-ms", str(gap_s * 1e3)], cwd=ROOT)
+                              "--gap-ms", str(gap_s * 1e3)] + (["--offer", slots.offer().hex()] if slots else []),
+                             cwd=ROOT)
     try:
         if mode == "blocking":
             return receive_blocking(srv, frames)
         srv.setblocking(False)
-        return asyncio.run(receive_async(srv, frames, mode))
+        return asyncio.run(receive_async(srv, frames, mode, slots))
     finally:
+        if slots is not None:
+            slots.unlink()
         if child.wait(60):
             raise RuntimeError(f"sender failed ({child.returncode})")
         srv.close()
@@ -175,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=400)
     ap.add_argument("--gap-ms", type=float, default=2.0)
     ap.add_argument("--send", type=int, help=argparse.SUPPRESS)       # the sender process
+    ap.add_argument("--offer", help=argparse.SUPPRESS)                # its shared slots (hex)
     ap.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)   # one receiver mode, JSON out
     a = ap.parse_args(argv)
     if a.send:
-        sender(a.send, a.frames, a.gap_ms / 1e3)
+        sender(a.send, a.frames, a.gap_ms / 1e3, a.offer)
         return 0
     if a.one:
         print(json.dumps(receiver(a.one, a.frames, a.gap_ms / 1e3)))
