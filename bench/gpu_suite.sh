@@ -126,7 +126,7 @@ for s in "$@"; do
                   --tensor-parallel ${ANATOMY_TP:-1 2 2:nccl}; keep anatomy_tp.json ;;
     timeline) run timeline "${TIMELINE_S:-150}" python3 bench/timeline.py --replays 5 \
                 --kernel-sets ${TIMELINE_SETS:-default no_norm} ${TIMELINE_ARGS:-}; keep timeline.json ;;
-    wakeup) run wakeup "${WAKEUP_S:-120}" python3 bench/wakeup.py; keep wakeup.json ;;
+    wakeup) run wakeup "${WAKEUP_S:-120}" python3 bench/wakeup.py ${WAKEUP_ARGS:-}; keep wakeup.json ;;
     hostpath) run hostpath "${HOSTPATH_S:-240}" python3 bench/hostpath.py; keep hostpath.json ;;
     attention-loops) run attention-loops "${LOOPS_S:-150}" python3 bench/attention_loops.py; keep attention_loops.json ;;
     attention-grid) run attention-grid "${GRID_S:-150}" python3 bench/attention_grid.py; keep attention_grid.json ;;
