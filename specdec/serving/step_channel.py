@@ -118,16 +118,17 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
     busy = busy if busy is not None else [False]
     refused: list[str] = []  # why the request stream ended early, where it was the peer's fault
     shared: list = [None, None]  # the connection's SharedSlots and Inbox, once an offer is taken
-    poll = servicer.runtime.busy_poll
 
     def take_offer(payload: bytes) -> bytes:
-        """Opens the offered slots; the answer's payload (empty: taken)."""
+        """Opens the offered slots; the answer's payload (empty: taken). The server polls them
+        while its event loop busy-polls."""
         if not shared_slots.enabled():
             return b"SPECDEC_STEP_SHM=0 on the server"
         try:
             slots = SharedSlots.attach(payload)
         except SharedSlotsError as e:
             return str(e).encode()
+        poll = servicer.runtime.busy_poll
         shared[0] = slots
         shared[1] = Inbox(reader, slots, TO_SERVER, poll.window_s, poll.is_paused)
         return b""
