@@ -3,3 +3,7 @@
 TESTS_S=300 DECODE_SETS="default norm_m64" DECODE_ARGS="--batches 1 8 --query-len 5" bash bench/gpu_suite.sh tests decode
 # call 2 (232 s): the whole e2e on one GPU
 E2E_S=280 E2E_DEADLINE=260 bash bench/gpu_suite.sh e2e
+# call 3 (244 s): shared-memory step frames A/B (A: SPECDEC_STEP_SHM=0, B: on), 7B + 68m, 2 passes a side
+E2E_AB_S=540 E2E_AB_ARGS="--passes 2 --a-env SPECDEC_STEP_SHM=0 -- --sections 7b --drafts llama-68m --deadline 110" bash bench/gpu_suite.sh e2e-ab
+# call 4 (264 s): a frame's one-way time with and without shared slots; the whole e2e with shared-memory frames (hf-7b cut by the deadline: call 2's e2e has it)
+WAKEUP_S=60 WAKEUP_ARGS="--modes poll poll+shm poll+cuda poll+cuda+shm --frames 300" E2E_S=245 E2E_DEADLINE=225 bash bench/gpu_suite.sh wakeup e2e
