@@ -187,7 +187,7 @@ def receiver(mode: str, frames: int, gap_s: float) -> list[float]:
         return asyncio.run(receive_async(srv, frames, mode, slots))
     finally:
         if slots is not None:
-            slots.unlink()
+            slots.close_offer()
         if child.wait(60):
             raise RuntimeError(f"sender failed ({child.returncode})")
         srv.close()

@@ -187,7 +187,7 @@ class ChannelCall:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
             kind, payload = FRAME_ERROR, f"no answer to the offer ({type(e).__name__})".encode()
         finally:
-            slots.unlink()   # opened by the server by now, or never: the mappings stay
+            slots.close_offer()   # opened by the server by now, or never: the mappings stay
         if kind == FRAME_OFFER and not payload:
             self._slots = slots
             self._inbox = Inbox(self._reader, slots, TO_CLIENT, self.shared.spin_s)
@@ -249,7 +249,8 @@ class SharedFrames:
         self.refused: str | None = None
 
     def wanted(self) -> bool:
-        return self.spin_s > 0 and shared_slots.SPIN and self.refused is None and shared_slots.enabled()
+        return (self.spin_s > 0 and shared_slots.SPIN and shared_slots.AVAILABLE and self.refused is None
+                and shared_slots.enabled())
 
     def refuse(self, reason: str) -> None:
         log.info("step channel: socket frames (no shared memory): %s", reason)

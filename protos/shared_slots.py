@@ -6,12 +6,16 @@ wire_in / wire_out), four such hops a speculative step: the kernel's loopback pa
 Written into a shared mapping instead, the frame is there for the reader as soon as the writer's
 copy is done; a reader that polls sees it within one turn of its event loop.
 
-A connection's two processes share one mapping, created by the coordinator in /dev/shm and named
-to the server in an offer frame (FRAME_OFFER) before the first step; the server opens it, checks the
-nonce the coordinator wrote into it (so a file of that name in another container's /dev/shm is not
-taken for it) and answers; the coordinator then unlinks the file, so nothing is left behind when a
-process dies. Either side falls back to the plain socket frames: no /dev/shm, another host, another
-user, or SPECDEC_STEP_SHM=0 on either side.
+A connection's two processes share one mapping: anonymous shared memory the coordinator makes
+(memfd_create), sealed against shrinking or growing, so that neither side can cut the pages from
+under the other's mapping (a mapped page that is gone kills its reader with SIGBUS), its pages
+reserved up front. The coordinator names it in an offer frame (FRAME_OFFER) before the first step:
+its pid and descriptor. The server opens it through /proc/<pid>/fd/<n>, which exists only for a
+process of its own host and pid namespace that it may inspect, checks that it is a sealed regular
+file of the size offered holding the nonce the coordinator wrote into it, and answers; the
+coordinator then closes its descriptor. Nothing has a name, so nothing is left behind when a
+process dies. Either side falls back to the plain socket frames: another host or container,
+another user, no memfd_create, or SPECDEC_STEP_SHM=0 on either side.
 
 The mapping holds one slot per direction (coordinator -> server requests, server -> coordinator
 answers). A step channel carries one request at a time, answered in order, so a slot is never
@@ -30,24 +34,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import mmap
 import os
 import platform
 import secrets
+import stat
 import struct
 import time
 
-from protos.wire import FRAME_MESSAGE, FRAME_SHARED, MAX_MESSAGE_BYTES, frame, read_frame
+from protos.wire import FRAME_MESSAGE, FRAME_SHARED, MAX_MESSAGE_BYTES, FrameError, frame, read_frame
 
 # Polling a slot's sequence number is right only under total store order (see above).
 SPIN = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-SHM_DIR = "/dev/shm"
+# Sealed anonymous shared memory (Linux >= 3.17).
+AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if AVAILABLE else 0
 SLOT_BYTES = 4 << 20       # per direction: a Verify of 64 sequences with sparse draft rows fits
 TO_SERVER, TO_CLIENT = 0, 1
 _NONCE = 16
 _SLOT_HEAD = struct.Struct("<QI")            # sequence number, payload length
 _DATA = 64                                   # nonce, two slot heads, padding
-_OFFER = struct.Struct(f"<I{_NONCE}s")       # slot bytes, nonce; the path follows
+_OFFER = struct.Struct(f"<I{_NONCE}sII")     # slot bytes, nonce, the coordinator's pid and descriptor
 _SEQ = struct.Struct("<Q")
 
 
@@ -65,65 +73,83 @@ class SharedSlots:
     sequence number (None: too large for the slot); seq() reads a slot's last sequence number;
     get() reads the payload of the frame with that number."""
 
-    def __init__(self, mm: mmap.mmap, slot_bytes: int, path: str, nonce: bytes):
-        self.mm, self.slot_bytes, self.path, self.nonce = mm, slot_bytes, path, nonce
+    def __init__(self, mm: mmap.mmap, slot_bytes: int, nonce: bytes, fd: int | None = None):
+        self.mm, self.slot_bytes, self.nonce = mm, slot_bytes, nonce
+        self.fd = fd   # the maker's descriptor, open until the peer has opened it (close_offer)
         self._sent = [0, 0]
 
     @classmethod
-    def create(cls, slot_bytes: int = SLOT_BYTES, folder: str = SHM_DIR) -> SharedSlots:
-        nonce = secrets.token_bytes(_NONCE)
-        path = os.path.join(folder, f"specdec-step-{os.getpid()}-{nonce[:6].hex()}")
+    def create(cls, slot_bytes: int | None = None) -> SharedSlots:
+        slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
+        if not AVAILABLE:
+            raise SharedSlotsError("no memfd_create here")
+        size = _DATA + 2 * slot_bytes
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.memfd_create("specdec-step", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         except OSError as e:
-            raise SharedSlotsError(f"cannot create {path}: {e}") from None
+            raise SharedSlotsError(f"memfd_create: {e}") from None
         try:
-            os.ftruncate(fd, _DATA + 2 * slot_bytes)
-            mm = mmap.mmap(fd, _DATA + 2 * slot_bytes)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)   # the pages now: a full tmpfs fails here, not at a write
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            mm = mmap.mmap(fd, size)
         except OSError as e:
-            os.unlink(path)
-            raise SharedSlotsError(f"cannot map {path}: {e}") from None
-        finally:
             os.close(fd)
+            raise SharedSlotsError(f"cannot make {size} bytes of shared memory: {e}") from None
+        nonce = secrets.token_bytes(_NONCE)
         mm[:_NONCE] = nonce
-        return cls(mm, slot_bytes, path, nonce)
+        return cls(mm, slot_bytes, nonce, fd)
 
     def offer(self) -> bytes:
         """The FRAME_OFFER payload naming this mapping."""
-        return _OFFER.pack(self.slot_bytes, self.nonce) + self.path.encode()
+        return _OFFER.pack(self.slot_bytes, self.nonce, os.getpid(), self.fd)
 
     @classmethod
     def attach(cls, offer: bytes) -> SharedSlots:
-        """The mapping an offer names, once its nonce matches; SharedSlotsError otherwise."""
-        if len(offer) <= _OFFER.size:
-            raise SharedSlotsError(f"an offer of {len(offer)} bytes")
-        slot_bytes, nonce = _OFFER.unpack_from(offer)
-        path = offer[_OFFER.size:].decode("utf-8", "replace")
-        if not 0 < slot_bytes <= MAX_MESSAGE_BYTES or os.path.dirname(path) != SHM_DIR:
-            raise SharedSlotsError(f"an offer of {slot_bytes}-byte slots at {path!r}")
+        """The mapping an offer names, once it is a sealed regular file of the offered size holding
+        the offered nonce; SharedSlotsError otherwise."""
+        if len(offer) != _OFFER.size:
+            raise SharedSlotsError(f"an offer of {len(offer)} bytes, not {_OFFER.size}")
+        slot_bytes, nonce, pid, fd_no = _OFFER.unpack(offer)
+        if not 0 < slot_bytes <= MAX_MESSAGE_BYTES:
+            raise SharedSlotsError(f"an offer of {slot_bytes}-byte slots")
+        if not AVAILABLE:
+            raise SharedSlotsError("no memfd seals here")
+        where = f"/proc/{pid}/fd/{fd_no}"
+        size = _DATA + 2 * slot_bytes
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise SharedSlotsError(f"cannot open {path}: {e}") from None
+            # O_NONBLOCK: a file under a lease would block the open (and the server's loop) until
+            # the lease breaks; O_NOCTTY: an offered tty must not become the server's terminal.
+            fd = os.open(where, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as e:   # (another pid namespace, another user, no such descriptor)
+            raise SharedSlotsError(f"cannot open {where}: {e.strerror}") from None
         try:
-            if os.fstat(fd).st_size != _DATA + 2 * slot_bytes:
-                raise SharedSlotsError(f"{path} is not the size offered")
-            mm = mmap.mmap(fd, _DATA + 2 * slot_bytes)
-        except OSError as e:
-            raise SharedSlotsError(f"cannot map {path}: {e}") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise SharedSlotsError(f"{where} is not {size} bytes of shared memory")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0   # (a file that takes no seals)
+            if ~seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+                raise SharedSlotsError(f"{where} is not sealed against resizing")
+            try:
+                mm = mmap.mmap(fd, size)
+            except OSError as e:
+                raise SharedSlotsError(f"cannot map {where}: {e}") from None
         finally:
             os.close(fd)
         if mm[:_NONCE] != nonce:
             mm.close()
-            raise SharedSlotsError(f"{path} is not the mapping offered (another host's?)")
-        return cls(mm, slot_bytes, path, nonce)
+            raise SharedSlotsError(f"{where} is not the mapping offered")
+        return cls(mm, slot_bytes, nonce)
 
-    def unlink(self) -> None:
-        """Removes the file (the mappings stay until closed)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    def close_offer(self) -> None:
+        """Closes the maker's descriptor once the peer has opened it (or never will): the mappings
+        stay until closed."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def _head(self, direction: int) -> int:
         return _NONCE + direction * _SLOT_HEAD.size
@@ -146,11 +172,12 @@ class SharedSlots:
     def get(self, direction: int, seq: int) -> bytes:
         got, n = _SLOT_HEAD.unpack_from(self.mm, self._head(direction))
         if got != seq or n > self.slot_bytes:
-            raise ConnectionError(f"shared slot holds frame {got} ({n} bytes) where frame {seq} was due")
+            raise FrameError(f"the shared slot holds frame {got} ({n} bytes) where frame {seq} was due")
         start = _DATA + direction * self.slot_bytes
         return self.mm[start:start + n]
 
     def close(self) -> None:
+        self.close_offer()
         try:
             self.mm.close()
         except BufferError:  # a view still exported: the mapping goes with its last reference
@@ -168,8 +195,10 @@ class Inbox:
     the socket or from the slot. A reader task takes the socket's frames (doorbells: the slot's
     frame unless it was taken already); next() polls the slot for up to spin_s seconds (SPIN only),
     not while paused() (work on another thread that a polling loop holding the GIL would slow),
-    before it waits for the reader. The reader's end (a close, a bad frame) is raised by next()
-    once the frames before it are taken."""
+    before it waits for the reader. The reader holds at most one frame that next() has not taken
+    (it reads the socket no further meanwhile, so a peer that writes without reading its answers
+    meets the socket's flow control, as without slots). The reader's end (a close, a bad frame:
+    FrameError) is raised by next() once the frames before it are taken."""
 
     def __init__(self, reader: asyncio.StreamReader, slots: SharedSlots, direction: int, spin_s: float,
                  paused=lambda: False):
@@ -179,6 +208,8 @@ class Inbox:
         self._taken = 0
         self._frames: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
+        self._room = asyncio.Event()   # set while no frame waits to be taken
+        self._room.set()
         self._task = asyncio.get_running_loop().create_task(self._read(reader))
 
     def _take(self, seq: int) -> tuple[int, bytes]:
@@ -187,21 +218,23 @@ class Inbox:
 
     def _put(self, item) -> None:
         self._frames.append(item)
+        self._room.clear()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
+                await self._room.wait()
                 kind, payload = await read_frame(reader)
                 if kind == FRAME_SHARED:
                     if len(payload) != _SEQ.size:
-                        raise ConnectionError(f"a doorbell of {len(payload)} bytes")
+                        raise FrameError(f"a doorbell of {len(payload)} bytes")
                     (seq,) = _SEQ.unpack(payload)
                     if seq <= self._taken:
                         continue   # polled from the slot already
                     if seq != self._taken + 1:
-                        raise ConnectionError(f"doorbell {seq} after frame {self._taken}")
+                        raise FrameError(f"doorbell {seq} after frame {self._taken}")
                     self._put(self._take(seq))
                 else:
                     self._put((kind, payload))
@@ -215,6 +248,8 @@ class Inbox:
         if isinstance(item, BaseException):
             self._frames.appendleft(item)   # every later call raises it too
             raise item
+        if not self._frames:
+            self._room.set()
         return item
 
     async def next(self) -> tuple[int, bytes]:

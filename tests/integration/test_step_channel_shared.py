@@ -3,7 +3,8 @@ CPU and the coordinator's ModelServer:
 
 - a ModelServer that polls (poll_s > 0) offers the server shared slots on a new connection; the
   server takes them and the steps' answers equal those over plain socket frames (poll_s 0, no
-  offer) and over gRPC; the answers did come through the slot;
+  offer) and over gRPC; the answers did come through the slot; the coordinator holds no
+  descriptor of a mapping after its steps;
 - a server with SPECDEC_STEP_SHM=0 refuses the offer and the same steps go over socket frames; so
   do they against a server that does not know the offer (an older one: it answers an error frame
   and closes), on a new connection; the ModelServer offers no more after a refusal;
@@ -27,13 +28,26 @@ from tests.helpers.tiny_models import make_pair
 from tests.integration.test_services import run_many
 from tests.integration.test_step_channel import first_step
 
-pytestmark = pytest.mark.skipif(not (shared_slots.SPIN and os.path.isdir(shared_slots.SHM_DIR)),
-                                reason="shared-memory frames need /dev/shm and an x86 CPU (polled slots)")
+pytestmark = pytest.mark.skipif(not (shared_slots.SPIN and shared_slots.AVAILABLE),
+                                reason="shared-memory frames need sealed memfds (Linux) and an x86 CPU (polled slots)")
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("shared"))
+
+
+def _memfds() -> list[str]:
+    """This process's open descriptors of step-channel mappings."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:specdec-step"):
+            out.append(target)
+    return out
 
 
 def _spawn(pair, tmp_path, env=None):
@@ -76,8 +90,7 @@ def test_steps_through_shared_slots_answer_as_over_the_socket(pair, tmp_path):
         over_grpc, _, _ = asyncio.run(_steps(proc.address, 0.02, 30, channel=False))
         assert over_grpc == shared
         assert all(r[0][1] >= 0 for r in shared)
-        leftovers = [f for f in os.listdir(shared_slots.SHM_DIR) if f.startswith(f"specdec-step-{os.getpid()}-")]
-        assert leftovers == []                         # every offered file was unlinked
+        assert _memfds() == []                         # every offered descriptor was closed
     finally:
         stop_all([proc])
 

@@ -1,10 +1,11 @@
 """protos/shared_slots.py: the step channel's shared-memory frames, in one process.
 
 - a mapping made by one side and opened from its offer by the other carries frames both ways,
-  each read back as written, with its sequence number; a frame larger than the slot is refused
-  (None: it goes over the socket); an offer whose nonce does not match the file (another host's
-  file of that name), a path outside /dev/shm, or a file that is gone is refused; the file can be
-  unlinked once both sides hold the mapping;
+  each read back as written, with its sequence number, also once the maker closed the descriptor
+  the offer named; a frame larger than the slot is refused (None: it goes over the socket);
+  neither side can shrink the mapping (sealed: a cut page would kill a reader with SIGBUS);
+  offers are refused whose nonce does not match, whose descriptor is closed or is a file without
+  seals, or of another size or length;
 - the Inbox delivers every frame once, in order: from the slot while it polls (the doorbell that
   follows is dropped), from the doorbell when it does not poll, socket frames in between, and the
   connection's end after the frames before it; a doorbell out of order ends the connection.
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 
 import pytest
 
 from protos import shared_slots
 from protos.shared_slots import TO_CLIENT, TO_SERVER, Inbox, SharedSlots, SharedSlotsError
-from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FRAME_SHARED, frame
+from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FRAME_SHARED, FrameError, frame
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(shared_slots.SHM_DIR), reason="no /dev/shm on this host")
+pytestmark = pytest.mark.skipif(not shared_slots.AVAILABLE, reason="no sealed memfd on this host (Linux only)")
 
 
 @pytest.fixture
@@ -28,15 +30,14 @@ def pair():
     a = SharedSlots.create(slot_bytes=1024)
     b = SharedSlots.attach(a.offer())
     yield a, b
-    a.unlink()
     a.close()
     b.close()
 
 
 def test_frames_cross_both_ways_with_their_numbers(pair):
     a, b = pair
-    a.unlink()                                   # both hold the mapping: the file is no longer needed
-    assert not os.path.exists(a.path)
+    a.close_offer()                              # both hold the mapping: the descriptor is not needed
+    assert a.fd is None
     for n, payload in enumerate([b"x" * 1024, b"", b"hello", bytes(range(256))], 1):
         assert a.put(TO_SERVER, payload) == n
         assert b.seq(TO_SERVER) == n and b.get(TO_SERVER, n) == payload
@@ -44,23 +45,42 @@ def test_frames_cross_both_ways_with_their_numbers(pair):
         assert a.seq(TO_CLIENT) == n and a.get(TO_CLIENT, n) == payload[::-1]
     assert a.put(TO_SERVER, b"y" * 1025) is None  # over the slot: the socket's
     assert b.seq(TO_SERVER) == 4
-    with pytest.raises(ConnectionError, match="holds frame 4"):
+    with pytest.raises(FrameError, match="holds frame 4"):
         b.get(TO_SERVER, 5)
+    c = SharedSlots.create(slot_bytes=1024)
+    try:
+        with pytest.raises(PermissionError):    # sealed: not even its maker can shrink or grow it
+            os.ftruncate(c.fd, 64)
+        with pytest.raises(PermissionError):
+            os.ftruncate(c.fd, 1 << 20)
+    finally:
+        c.close()
+
+
+def _offer(slot_bytes: int, nonce: bytes, fd: int, pid: int | None = None) -> bytes:
+    return shared_slots._OFFER.pack(slot_bytes, nonce, os.getpid() if pid is None else pid, fd)
 
 
 def test_offers_that_do_not_name_this_mapping_are_refused(pair):
     a, _ = pair
     offer = a.offer()
-    forged = offer[:4] + bytes(16) + offer[20:]   # the right path, another nonce
     with pytest.raises(SharedSlotsError, match="not the mapping offered"):
-        SharedSlots.attach(forged)
-    with pytest.raises(SharedSlotsError, match="offer"):
-        SharedSlots.attach(offer[:4] + offer[4:20] + b"/tmp/elsewhere")
+        SharedSlots.attach(_offer(1024, bytes(16), a.fd))                       # another nonce
+    with pytest.raises(SharedSlotsError, match="not .* bytes of shared memory"):
+        SharedSlots.attach(_offer(2048, a.nonce, a.fd))                         # another size
+    with tempfile.TemporaryFile() as f:                                         # a file without seals
+        f.truncate(64 + 2 * 1024)
+        with pytest.raises(SharedSlotsError, match="not sealed"):
+            SharedSlots.attach(_offer(1024, a.nonce, f.fileno()))
+    with pytest.raises(SharedSlotsError, match="cannot open"):
+        SharedSlots.attach(_offer(1024, a.nonce, a.fd, pid=2 ** 31 - 1))        # no such process
     with pytest.raises(SharedSlotsError, match="offer of 3 bytes"):
         SharedSlots.attach(b"abc")
-    a.unlink()
+    with pytest.raises(SharedSlotsError, match="0-byte slots"):
+        SharedSlots.attach(_offer(0, a.nonce, a.fd))
+    a.close_offer()
     with pytest.raises(SharedSlotsError, match="cannot open"):
-        SharedSlots.attach(offer)
+        SharedSlots.attach(offer)                                               # closed by its maker
 
 
 def _inbox_run(pair, spin_s: float, script):
@@ -115,7 +135,7 @@ def test_an_inbox_that_does_not_poll_reads_the_slot_at_its_doorbell(pair):
         got.append(await asyncio.wait_for(inbox.next(), 5))
         server.put(TO_CLIENT, b"three")
         reader.feed_data(_doorbell(seq + 5))      # not the frame due
-        with pytest.raises(ConnectionError, match="doorbell 6 after frame 1"):
+        with pytest.raises(FrameError, match="doorbell 6 after frame 1"):
             await asyncio.wait_for(inbox.next(), 5)
         return got
     assert _inbox_run(pair, 0.0, script) == [(FRAME_MESSAGE, b"one"), (FRAME_MESSAGE, b"two")]
