@@ -93,8 +93,7 @@ def receive_blocking(srv: socket.socket, frames: int) -> list[float]:
 
 
 async def receive_async(srv: socket.socket, frames: int, mode: str, slots=None) -> list[float]:
-    from protos.shared_slots import TO_SERVER, Inbox
-    from protos.wire import read_frame
+    from protos.shared_slots import TO_SERVER, Inbox, receive
     from specdec.busy_poll import BusyPoll
     poll = BusyPoll(0.02 if mode != "asyncio" else 0.0)
     extras = []
@@ -128,7 +127,7 @@ async def receive_async(srv: socket.socket, frames: int, mode: str, slots=None) 
         out = []
         inbox = Inbox(reader, slots, TO_SERVER, 0.02) if slots is not None else None
         for _ in range(frames):
-            _, payload = await (inbox.next() if inbox is not None else read_frame(reader))
+            _, payload = await receive(reader, inbox)
             out.append(time.perf_counter() - _STAMP.unpack(payload[:8])[0])
             if work is not None:
                 work()

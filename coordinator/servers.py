@@ -19,7 +19,7 @@ import grpc
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from protos import shared_slots
-from protos.shared_slots import TO_CLIENT, TO_SERVER, Inbox, SharedSlots, SharedSlotsError
+from protos.shared_slots import TO_CLIENT, Inbox, SharedSlots, SharedSlotsError
 from protos.wire import FRAME_ERROR, FRAME_OFFER, MAX_MESSAGE_BYTES, frame, read_frame
 from specdec import trace
 from specdec.metrics import CoordinatorMetrics
@@ -154,8 +154,7 @@ class ChannelCall:
         self.shared = shared
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._slots: SharedSlots | None = None   # the connection's shared slots, where the server took them
-        self._inbox: Inbox | None = None
+        self._inbox: Inbox | None = None   # over the connection's shared slots, where the server took them
         self._rpc = "Propose" if response_cls is pb.ProposeResponse else "Verify"  # (trace marks)
         self._step = 0
 
@@ -189,7 +188,6 @@ class ChannelCall:
         finally:
             slots.close_offer()   # opened by the server by now, or never: the mappings stay
         if kind == FRAME_OFFER and not payload:
-            self._slots = slots
             self._inbox = Inbox(self._reader, slots, TO_CLIENT, self.shared.spin_s)
             log.info("%s step channel at %s:%d: frames through shared memory", self._rpc, self.host, self.port)
             return
@@ -207,14 +205,14 @@ class ChannelCall:
         if trace.enabled:
             self._step = request.step
             trace.mark("c_built", self._rpc, request.step, len(request.seqs))
-        shared_slots.send(self._writer, self._slots, TO_SERVER, request.SerializeToString())
+        shared_slots.send(self._writer, self._inbox, request.SerializeToString())
         if trace.enabled:
             trace.mark("c_write", self._rpc, request.step)
         await self._writer.drain()
 
     async def read(self):
         try:
-            kind, payload = await (self._inbox.next() if self._inbox is not None else read_frame(self._reader))
+            kind, payload = await shared_slots.receive(self._reader, self._inbox)
             if trace.enabled:
                 trace.mark("c_read", self._rpc, self._step)
         except asyncio.IncompleteReadError as e:

@@ -178,16 +178,19 @@ class SharedSlots:
 
     def close(self) -> None:
         self.close_offer()
-        try:
-            self.mm.close()
-        except BufferError:  # a view still exported: the mapping goes with its last reference
-            pass
+        self.mm.close()   # (get() returns copies: no view of the mapping outlives a call)
 
 
-def send(writer: asyncio.StreamWriter, slots: SharedSlots | None, direction: int, payload: bytes) -> None:
-    """Writes one message frame: through the slot with its doorbell, or on the socket."""
-    seq = slots.put(direction, payload) if slots is not None else None
+def send(writer: asyncio.StreamWriter, inbox: Inbox | None, payload: bytes) -> None:
+    """Writes one message frame: through the slot the other way from the connection's inbox, with
+    its doorbell, or on the socket (no shared slots, or too large for the slot)."""
+    seq = inbox.slots.put(1 - inbox.direction, payload) if inbox is not None else None
     writer.write(frame(payload) if seq is None else frame(_SEQ.pack(seq), FRAME_SHARED))
+
+
+async def receive(reader: asyncio.StreamReader, inbox: Inbox | None) -> tuple[int, bytes]:
+    """The connection's next frame: from its inbox where it shares slots, else read_frame's."""
+    return await (inbox.next() if inbox is not None else read_frame(reader))
 
 
 class Inbox:

@@ -30,8 +30,8 @@ import time
 from google.protobuf.message import DecodeError
 
 from protos import shared_slots
-from protos.shared_slots import TO_CLIENT, TO_SERVER, Inbox, SharedSlots, SharedSlotsError
-from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FRAME_OFFER, FrameError, frame, read_frame
+from protos.shared_slots import TO_SERVER, Inbox, SharedSlots, SharedSlotsError
+from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FRAME_OFFER, FrameError, frame
 from specdec import trace
 from specdec.serving.errors import status_of
 
@@ -117,7 +117,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
     request_cls, rpc = servicer.request_cls, servicer.rpc_name
     busy = busy if busy is not None else [False]
     refused: list[str] = []  # why the request stream ended early, where it was the peer's fault
-    shared: list = [None, None]  # the connection's SharedSlots and Inbox, once an offer is taken
+    inbox: Inbox | None = None  # over the connection's shared slots, once an offer is taken
 
     def take_offer(payload: bytes) -> bytes:
         """Opens the offered slots; the answer's payload (empty: taken). The server polls them
@@ -128,9 +128,9 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             slots = SharedSlots.attach(payload)
         except SharedSlotsError as e:
             return str(e).encode()
+        nonlocal inbox
         poll = servicer.runtime.busy_poll
-        shared[0] = slots
-        shared[1] = Inbox(reader, slots, TO_SERVER, poll.window_s, poll.is_paused)
+        inbox = Inbox(reader, slots, TO_SERVER, poll.window_s, poll.is_paused)
         return b""
 
     async def requests():
@@ -140,12 +140,11 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             if closing():  # shutting down: the step in flight was answered, no new one is taken
                 return
             try:
-                kind, payload = await (shared[1].next() if shared[1] is not None else read_frame(reader))
-                if kind == FRAME_OFFER and first:
-                    first = False
+                kind, payload = await shared_slots.receive(reader, inbox)
+                may_offer, first = first, False
+                if kind == FRAME_OFFER and may_offer:
                     writer.write(frame(take_offer(payload), FRAME_OFFER))
                     continue
-                first = False
             except asyncio.IncompleteReadError as e:
                 if e.partial:
                     refused.append("the connection ended inside a frame")
@@ -174,7 +173,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
         async for response in servicer._steps(requests()):
             if trace.enabled:
                 trace.mark("s_ready", rpc, response.step)
-            shared_slots.send(writer, shared[0], TO_CLIENT, response.SerializeToString())
+            shared_slots.send(writer, inbox, response.SerializeToString())
             if trace.enabled:
                 trace.mark("s_write", rpc, response.step)
             await writer.drain()
@@ -197,6 +196,6 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             log.info("step channel: %s %s", code.name, message)
         writer.write(frame(f"{code.name}: {message}".encode(), FRAME_ERROR))
     finally:
-        if shared[1] is not None:
-            shared[1].close()
+        if inbox is not None:
+            inbox.close()
         writer.close()

@@ -668,7 +668,7 @@ def test_model_server_after_a_timed_out_step_steps_through_new_slots(target):
             a = await server.step(reference_request(1690), timeout=20)
             first_call = server._call
             assert first_call._inbox is not None and first_call._inbox._taken == 1
-            assert first_call._slots.fd is None         # the offered descriptor closed once answered
+            assert first_call._inbox.slots.fd is None         # the offered descriptor closed once answered
             t0 = time.monotonic()
             with pytest.raises(asyncio.TimeoutError):
                 await server.step(slow, timeout=0.05)
