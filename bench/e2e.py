@@ -172,6 +172,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "target_decode_ms": 1e3 * t_c if t_c else None,
                    "draft_decode_ms": 1e3 * d_c if d_c else None,
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
+                   # how the step messages went (gRPC stream, step-channel socket, shared memory)
+                   "step_paths": step_paths(after),
                    "plain": plain, "spec": spec}
             row.update(steady_rows(b, plain_recs, spec_recs, plain, spec, (m0, m1, m2), row["expected"]))
             row.update(per_step(row))
@@ -191,6 +193,7 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                   f"c {_f(c, '.3f')}, overhead/step {_f(row['overhead_ms_spec'], '.3f')} ms "
                   f"(step {_f(row['step_ms_spec'], '.2f')} ms), steady speedup {_f(row['speedup_steady'], '.2f')} "
                   f"(occupancy plain {_f(row['occupancy_plain'], '.2f')}, spec {_f(row['occupancy_spec'], '.2f')}), "
+                  f"steps over {', '.join(f'{k} {v}' for k, v in sorted(row['step_paths'].items())) or '-'}, "
                   f"errors {plain['errors'] + spec['errors']}"
                   + (f" ({plain['first_error'] or spec['first_error']})"
                      if plain['errors'] + spec['errors'] else ""), flush=True)
@@ -267,6 +270,13 @@ def _metric(samples: dict, name: str, batch: int) -> float | None:
     exact = [v for labels, v in values if labels.get("batch") == str(batch)]
     value = exact[0] if exact else (values[0][1] if values else None)
     return None if value is None or value != value else value  # NaN: not measured yet
+
+
+def step_paths(samples: dict) -> dict:
+    """{server: the path its steps took (grpc | socket | shared)} from the coordinator's
+    specdec_step_transport_state gauge; {} from a coordinator that does not export it."""
+    return {labels["server"]: labels["path"] for labels, v in samples.get("specdec_step_transport_state") or []
+            if v == 1}
 
 
 def _f(x, spec: str = ".0f") -> str:

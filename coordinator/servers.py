@@ -148,10 +148,12 @@ class ChannelCall:
     done, cancel): read returns grpc.aio.EOF where the server closed it between frames."""
 
     def __init__(self, host: str, port: int, response_cls, connect_timeout: float = CHANNEL_CONNECT_TIMEOUT_S,
-                 shared: "SharedFrames | None" = None):
+                 shared: "SharedFrames | None" = None, on_path=None):
+        """on_path(path): told "shared" or "socket" once a connection is set up (its frames' path)."""
         self.host, self.port, self.response_cls = host, port, response_cls
         self.connect_timeout = connect_timeout
         self.shared = shared
+        self.on_path = on_path
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._inbox: Inbox | None = None   # over the connection's shared slots, where the server took them
@@ -202,6 +204,8 @@ class ChannelCall:
             await self._connect()
             if self.shared is not None and self.shared.wanted():
                 await self._offer()
+            if self.on_path is not None:
+                self.on_path("shared" if self._inbox is not None else "socket")
         if trace.enabled:
             self._step = request.step
             trace.mark("c_built", self._rpc, request.step, len(request.seqs))
@@ -424,8 +428,15 @@ class ModelServer:
             # A channel that takes no connection is given up in time for gRPC to serve the step
             # within its timeout: half of it at most.
             connect = CHANNEL_CONNECT_TIMEOUT_S if timeout is None else min(CHANNEL_CONNECT_TIMEOUT_S, timeout / 2)
-            return ChannelCall(self._channel_host, self.step_port, self._response_cls, connect, self.shared)
+            return ChannelCall(self._channel_host, self.step_port, self._response_cls, connect, self.shared,
+                               self._on_path)
+        self._on_path("grpc")
         return self.stub.Propose() if self.role == "draft" else self.stub.Verify()
+
+    def _on_path(self, path: str) -> None:
+        """specdec_step_transport_state: the path this server's steps take from here on."""
+        if self.metrics is not None:
+            self.metrics.set_step_transport(self.role, path)
 
     async def _exchange(self, request, on_sent=None):
         await self._call.write(request)

@@ -140,7 +140,13 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _g("specdec_mean_draft_length", "Mean γ of speculative sequence-steps over the window"),
     _g("specdec_expected_speedup", "Ŝ = (1-α^(γ+1)) / ((1-α)(γc+1)) with c of the basis", "basis"),
     _g("specdec_measured_speedup", "Emitted tokens/s over plain-decoding tokens/s, same batches"),
+    _g("specdec_step_transport_state",
+       "How step messages reach each model server: 1 on the path in use, 0 on the others (grpc: the "
+       "gRPC stream; socket: the server's step channel; shared: the step channel with its frames "
+       "through shared memory, a server on this host)", "server", "path"),
 )
+# specdec_step_transport_state's paths (coordinator/servers.py chooses one per server)
+STEP_TRANSPORTS = ("grpc", "socket", "shared")
 
 
 def all_metric_specs() -> dict[str, MetricSpec]:
@@ -288,6 +294,18 @@ class CoordinatorMetrics(_ProcessMetrics):
         self._m["specdec_expected_speedup"].labels(basis="model")
         self._m["specdec_expected_speedup"].labels(basis="system")
         self._set_window(self.stats.window())
+        self._transports: dict[str, str] = {}   # server -> its step transport as last set
+
+    def set_step_transport(self, server: str, path: str) -> None:
+        """The path `server`'s (draft | target) steps take now: its series reads 1, the others 0.
+        Set when a step call opens (not on every step)."""
+        if path not in STEP_TRANSPORTS:
+            raise ValueError(f"path must be one of {STEP_TRANSPORTS}, got {path!r}")
+        if self._transports.get(server) == path:
+            return
+        self._transports[server] = path
+        for p in STEP_TRANSPORTS:
+            self._child("specdec_step_transport_state", server=server, path=p).set(1 if p == path else 0)
 
     def _position_series(self, p: int) -> tuple:
         # Positions past max_positions share one series, bounding the label's cardinality.
@@ -436,7 +454,7 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.
     return MetricsServer(port, registry, addr)
 
 
-__all__ = ["ROLES", "PHASES", "STAGES", "RPCS", "STATUS_CODES", "MetricSpec", "SERVER_METRICS",
+__all__ = ["ROLES", "PHASES", "STAGES", "RPCS", "STATUS_CODES", "STEP_TRANSPORTS", "MetricSpec", "SERVER_METRICS",
            "COORDINATOR_METRICS", "all_metric_specs", "exposed_series_names", "ServerMetrics",
            "CoordinatorMetrics", "ServerTiming", "WindowStats", "MetricsServer",
            "start_metrics_server", "bucket_for"]

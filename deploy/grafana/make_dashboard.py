@@ -129,6 +129,11 @@ PANELS = [
         (rate("specdec_errors_total", "role"), "{{role}} errors/s")],
      "Share of requests ending in an error status (client cancellations excluded), and per-process "
      "errors per second (failed RPCs and per-sequence errors)."),
+    ("Step transport", "short", "timeseries", [
+        ("max by (server, path) (specdec_step_transport_state) > 0", "{{server}} {{path}}")],
+     "How the coordinator's step messages reach each model server: grpc (the gRPC stream), socket "
+     "(the server's step channel) or shared (its frames through shared memory: coordinator and "
+     "server on one host, the coordinator busy-polling). A line per path in use."),
 ]
 
 

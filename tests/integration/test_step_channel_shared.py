@@ -8,6 +8,8 @@ CPU and the coordinator's ModelServer:
 - a server with SPECDEC_STEP_SHM=0 refuses the offer and the same steps go over socket frames; so
   do they against a server that does not know the offer (an older one: it answers an error frame
   and closes), on a new connection; the ModelServer offers no more after a refusal;
+- the coordinator's specdec_step_transport_state gauge names the path its steps took (shared,
+  socket or grpc);
 - through the whole cluster with the coordinator polling, greedy output is the same with the
   coordinator's shared frames on and off, and its log says they were used.
 """
@@ -17,12 +19,14 @@ import asyncio
 import os
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from coordinator.launch import spawn_server, start_healthy, stop_all
 from coordinator.servers import ModelServer
 from protos import shared_slots
 from protos import specdec_pb2 as pb
 from protos.wire import FRAME_ERROR, FRAME_MESSAGE, frame, read_frame
+from specdec.metrics import STEP_TRANSPORTS, CoordinatorMetrics
 from tests.helpers.cluster import tiny_cluster
 from tests.helpers.tiny_models import make_pair
 from tests.integration.test_services import run_many
@@ -64,9 +68,15 @@ def _spawn(pair, tmp_path, env=None):
     return proc
 
 
-async def _steps(address: str, poll_s: float, seq_id: int, channel: bool = True):
+def _transport(registry: CollectorRegistry, server: str = "target") -> dict[str, float | None]:
+    """specdec_step_transport_state's series of `server`, by path."""
+    return {p: registry.get_sample_value("specdec_step_transport_state", {"server": server, "path": p})
+            for p in STEP_TRANSPORTS}
+
+
+async def _steps(address: str, poll_s: float, seq_id: int, channel: bool = True, metrics=None):
     """(answers of three steps, whether they came through shared slots, the refusal if any)."""
-    server = ModelServer("target", address, step_channel=channel, poll_s=poll_s)
+    server = ModelServer("target", address, metrics=metrics, step_channel=channel, poll_s=poll_s)
     try:
         await server.wait_ready(30)
         got = []
@@ -83,12 +93,19 @@ async def _steps(address: str, poll_s: float, seq_id: int, channel: bool = True)
 def test_steps_through_shared_slots_answer_as_over_the_socket(pair, tmp_path):
     proc = _spawn(pair, tmp_path)
     try:
-        shared, slotted, refused = asyncio.run(_steps(proc.address, 0.02, 10))
+        registries = [CollectorRegistry() for _ in range(3)]
+        shared, slotted, refused = asyncio.run(_steps(proc.address, 0.02, 10, metrics=CoordinatorMetrics(registries[0])))
         assert slotted and refused is None
-        plain, slotted, _ = asyncio.run(_steps(proc.address, 0.0, 20))
+        plain, slotted, _ = asyncio.run(_steps(proc.address, 0.0, 20, metrics=CoordinatorMetrics(registries[1])))
         assert not slotted and plain == shared
-        over_grpc, _, _ = asyncio.run(_steps(proc.address, 0.02, 30, channel=False))
+        over_grpc, _, _ = asyncio.run(_steps(proc.address, 0.02, 30, channel=False,
+                                             metrics=CoordinatorMetrics(registries[2])))
         assert over_grpc == shared
+        # specdec_step_transport_state says which path each ModelServer's steps took.
+        assert [_transport(r) for r in registries] == [dict(grpc=0, socket=0, shared=1),
+                                                       dict(grpc=0, socket=1, shared=0),
+                                                       dict(grpc=1, socket=0, shared=0)]
+        assert _transport(registries[0], "draft") == dict(grpc=None, socket=None, shared=None)
         assert all(r[0][1] >= 0 for r in shared)
         assert _memfds() == []                         # every offered descriptor was closed
     finally:
@@ -98,8 +115,10 @@ def test_steps_through_shared_slots_answer_as_over_the_socket(pair, tmp_path):
 def test_a_server_that_refuses_gets_socket_frames(pair, tmp_path):
     proc = _spawn(pair, tmp_path, env="0")
     try:
-        got, slotted, refused = asyncio.run(_steps(proc.address, 0.02, 10))
+        registry = CollectorRegistry()
+        got, slotted, refused = asyncio.run(_steps(proc.address, 0.02, 10, metrics=CoordinatorMetrics(registry)))
         assert not slotted and "SPECDEC_STEP_SHM=0 on the server" in refused
+        assert _transport(registry) == dict(grpc=0, socket=1, shared=0)
         assert all(r[0][1] >= 0 for r in got)
     finally:
         stop_all([proc])
@@ -126,12 +145,14 @@ def test_a_server_that_does_not_know_the_offer_is_stepped_on_a_new_connection():
                 writer.write(frame(response.SerializeToString()))
             writer.close()
         old = await asyncio.start_server(serve, "127.0.0.1", 0)
-        server = ModelServer("target", "127.0.0.1:1", poll_s=0.02)
+        registry = CollectorRegistry()
+        server = ModelServer("target", "127.0.0.1:1", metrics=CoordinatorMetrics(registry), poll_s=0.02)
         server.step_port = old.sockets[0].getsockname()[1]
         try:
             answers = [(await server.step(first_step(5, step), timeout=10)).results[0].next_token for step in (1, 2)]
             assert answers == [7, 7] and len(connections) == 2
             assert "a frame of kind 3" in server.shared.refused
+            assert _transport(registry) == dict(grpc=0, socket=1, shared=0)
             server.reset()
             await server.step(first_step(5, 3), timeout=10)
             assert len(connections) == 3               # no offer again: one connection, not two

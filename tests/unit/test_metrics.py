@@ -33,7 +33,7 @@ def value(samples, name, **labels):
 
 def test_names_follow_prometheus_conventions():
     units = ("_seconds", "_total", "_ratio", "_coefficient", "_speedup", "_sequences", "_used",
-             "_free", "_alpha", "_length")
+             "_free", "_alpha", "_length", "_state")
     for spec in all_metric_specs().values():
         assert re.fullmatch(r"specdec_[a-z_]+", spec.name), spec.name
         assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
@@ -410,3 +410,4 @@ def test_engine_decode_profile_is_a_view_of_one_cost_profile():
     assert profile(4) == profile(3) == pytest.approx(0.010)
     assert profile(1) == 0.0 and profile(0) == 0.0  # never timed; no forward at all
     assert samples == [(3, 0.010), (2, 0.006)]
+
