@@ -18,7 +18,7 @@
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
 #         Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~210 s with 8 workers (session 25)
-#   bash bench/gpu_suite.sh e2e numerics          # ~300 s (E2E_ARGS: more e2e.py arguments)
+#   bash bench/gpu_suite.sh e2e                   # ~330 s at 256 tokens a request (E2E_ARGS: more e2e.py arguments)
 #   bash bench/gpu_suite.sh decode cost gemv      # ~90 s, then: attention (~200 s), serving
 # The device image lacks grpcio-health-checking / grpcio-reflection: put their 1.84.0 wheels in
 # .whl (pip download --no-deps --only-binary=:all: -d .whl ...) and carry it; they are installed
@@ -65,7 +65,7 @@ for s in "$@"; do
     tests-attention) run tests-attention "${ATTN_TESTS_S:-300}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" \
              -p no:cacheprovider -rf tests/gpu/test_triton_attention_gpu.py ;;
     numerics) run numerics "${NUMERICS_S:-120}" python3 bench/numerics.py; keep numerics.json ;;
-    e2e) run e2e "${E2E_S:-330}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-300}" ${E2E_ARGS:-}; keep e2e.json ;;
+    e2e) run e2e "${E2E_S:-450}" python3 bench/e2e.py --deadline "${E2E_DEADLINE:-420}" ${E2E_ARGS:-}; keep e2e.json ;;
     e2e-ab) run e2e-ab "${E2E_AB_S:-520}" python3 bench/e2e_ab.py ${E2E_AB_ARGS:?E2E_AB_ARGS: e2e_ab.py arguments}
             keep e2e_ab.json ;;
     # The draft and target servers through CUDA MPS (one shared GPU context: no time-sliced context
