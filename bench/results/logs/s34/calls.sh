@@ -8,3 +8,7 @@ for n in 256 64; do E2E_S=200 E2E_DEADLINE=185 E2E_ARGS="--sections 7b --drafts 
 E2E_S=480 E2E_DEADLINE=450 OUT=$OUT bash bench/gpu_suite.sh e2e
 # call 4 (249 s): shared frames on (A) against off (B: SPECDEC_STEP_SHM=0), the order swapped from session 33's call 3, 2 passes a side
 E2E_AB_S=540 E2E_AB_ARGS="--passes 2 --b-env SPECDEC_STEP_SHM=0 --pass-timeout 200 -- --sections 7b --drafts llama-68m --deadline 150" OUT=$OUT bash bench/gpu_suite.sh e2e-ab
+# call 5 (57 s): speculative steps in process (7B + 68m), b 1 and 8: host split, GPU idle by range, launches
+GAPS_S=240 GAPS_ARGS="--batches 1 8 --steps 16" OUT=$OUT bash bench/gpu_suite.sh gaps
+# call 6 (19 s): kernel timeline of the 7B's b 8 decode (q 1) and verify (q 5) forwards at context 256
+TIMELINE_S=200 TIMELINE_SETS=default TIMELINE_ARGS="--shapes llama-7b --batches 8 --query-lens 1 5 --context 256" OUT=$OUT bash bench/gpu_suite.sh timeline
