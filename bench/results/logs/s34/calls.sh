@@ -12,3 +12,7 @@ E2E_AB_S=540 E2E_AB_ARGS="--passes 2 --b-env SPECDEC_STEP_SHM=0 --pass-timeout 2
 GAPS_S=240 GAPS_ARGS="--batches 1 8 --steps 16" OUT=$OUT bash bench/gpu_suite.sh gaps
 # call 6 (19 s): kernel timeline of the 7B's b 8 decode (q 1) and verify (q 5) forwards at context 256
 TIMELINE_S=200 TIMELINE_SETS=default TIMELINE_ARGS="--shapes llama-7b --batches 8 --query-lens 1 5 --context 256" OUT=$OUT bash bench/gpu_suite.sh timeline
+# call 7 (63 s): bench/launch_probe.py, first version: failed (torch keeps no cudaGraph_t without keep_graph=True)
+# call 8 (22 s): launch_probe.py with the profiler fallback: the target's graphs listed; it then aborted on
+# a draft chain graph replayed without staged inputs (the chains are left out since)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; cd bench && timeout 200 python3 launch_probe.py --batches 1 8

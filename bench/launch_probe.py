@@ -1,0 +1,131 @@
+"""What a CUDA graph's launch costs on the host, and what the graph holds: per captured graph of the
+7B target and its draft (batch sizes --batches, query lengths 1 and k + 1), the nodes by type
+(kernel, memset, memcpy, event, ...), the kernels by name, and the host microseconds of one
+replay() (cudaGraphLaunch) on an idle GPU, right after a replay of the same graph.
+
+    python3 bench/launch_probe.py [--batches 1 8]
+
+Session 34's gaps.py found the b 8 verify graph's replay() at 168 us of host against 72 us for
+b 1's, with about as many kernels; this lists what differs. Nodes come from cuda.bindings
+(cudaGraphGetNodes, cudaGraphNodeGetType, cuFuncGetName) where torch kept the graph
+(keep_graph=True), else from the device ops of one replay under torch.profiler (kernels, memsets,
+memcopies); where a lookup fails the row says so. Writes bench/results/launch_probe.json.
+H200, session 34 (`results/logs/s34/call8_launch_probe.log`): every 7B graph was kernels only
+(266 at b 1 up to 16 tokens, 329 above; 234 at b 8 up to 2 tokens, 297 above) and launched in
+65-153 us with no order by size (b 1 q 5 133 us, b 8 q 5 138): the launch is ~0.3-0.5 us a node.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+from pathlib import Path
+
+from common import environment, table, write_result
+
+import torch  # noqa: E402
+
+
+def graph_ops(graph: torch.cuda.CUDAGraph) -> tuple[dict, dict, str | None]:
+    """graph_nodes where the graph can be read, else the device ops of one replay under
+    torch.profiler: ({"kernel" / "memset" / "memcpy": count}, {name: count}, None)."""
+    kinds, names, problem = graph_nodes(graph)
+    if kinds:
+        return kinds, names, problem
+    from torch.profiler import ProfilerActivity, profile
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kinds, names = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name
+        kinds["memset" if name.startswith("Memset") else "memcpy" if name.startswith("Memcpy") else "kernel"] += 1
+        names[name] += 1
+    return dict(kinds), dict(names), f"from a profiled replay ({problem})"
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> tuple[dict, dict, str | None]:
+    """({node type: count}, {kernel name: count}, error): the nodes of a captured graph (torch
+    keeps the cudaGraph_t only for graphs made with keep_graph=True)."""
+    try:
+        graph.raw_cuda_graph()
+    except RuntimeError as e:
+        return {}, {}, str(e)[:80]
+    try:
+        from cuda.bindings import driver, runtime
+    except ImportError as e:
+        return {}, {}, f"cuda.bindings: {e}"
+    handle = runtime.cudaGraph_t(init_value=graph.raw_cuda_graph())
+    err, _, n = runtime.cudaGraphGetNodes(handle, 0)
+    if err != runtime.cudaError_t.cudaSuccess:
+        return {}, {}, f"cudaGraphGetNodes: {err}"
+    err, nodes, n = runtime.cudaGraphGetNodes(handle, n)
+    kinds: collections.Counter = collections.Counter()
+    names: collections.Counter = collections.Counter()
+    problem = None
+    for node in nodes:
+        err, kind = runtime.cudaGraphNodeGetType(node)
+        kind_name = str(kind).split(".")[-1].replace("cudaGraphNodeType", "")
+        kinds[kind_name] += 1
+        if kind != runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel:
+            continue
+        try:
+            err, params = runtime.cudaGraphKernelNodeGetParams(node)
+            err, name = driver.cuFuncGetName(driver.CUfunction(init_value=int(params.func)))
+            names[name.decode() if isinstance(name, bytes) else str(name)] += 1
+        except Exception as e:  # the name is a nicety: the counts by type stand without it
+            problem = problem or f"kernel names: {type(e).__name__}: {e}"
+            names["?"] += 1
+    return dict(kinds), dict(names), problem
+
+
+def main() -> int:
+    from anatomy import PROMPT, engines, pair_args
+    from gaps import launch_after
+    from services import write_shape_folder
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pair_args(p, steps=4)
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
+        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
+        draft, target = engines(t_dir, d_dir, a.agreement, PROMPT + 256, a.k, "cuda", a.batches, None)
+        for role, engine in (("target", target), ("draft", draft)):
+            graphs = engine.runner.graphs
+            # (not the draft's chain and head graphs: a replay of those on inputs nobody staged
+            # indexes out of bounds, session 34's second call)
+            captured = [((b, q), g.graph) for (b, q), g in sorted(graphs.graphs.items())]
+            for (b, q), graph in captured:
+                if b not in a.batches:
+                    continue
+                kinds, names, problem = graph_ops(graph)
+                rows.append({"role": role, "batch": b, "query_len": q, "nodes": sum(kinds.values()),
+                             "kinds": kinds, "kernels": names, "names_error": problem,
+                             # replay() on an idle GPU right after a replay of the same graph
+                             "launch_us": launch_after({"self": graph}, engine.runner.device, reps=30)[0]["launch_us"]})
+                top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+                print(f"{role} b {b} q {q}: {rows[-1]['nodes']} nodes ({top}), launch "
+                      f"{rows[-1]['launch_us']:.1f} us" + (f" [{problem}]" if problem else ""), flush=True)
+    write_result("launch_probe", {"benchmark": "launch_probe", "environment": environment(),
+                                  "target": a.target, "draft": a.draft, "rows": rows})
+    print(table([{**r, "top": ", ".join(f"{n[:28]} {c}" for n, c in sorted(r["kernels"].items(),
+                                                                          key=lambda kv: -kv[1])[:4])}
+                 for r in rows],
+                [("role", "role", "s"), ("batch", "b", "d"), ("query_len", "q", "d"), ("nodes", "nodes", "d"),
+                 ("launch_us", "launch us", ".1f"), ("top", "kernels (most)", "s")]))
+    kernel_names = sorted({n for r in rows for n in r["kernels"]})
+    print("kernels per graph:")
+    print(table([{"kernel": n[:60], **{f"{r['role'][0]}{r['batch']}x{r['query_len']}": r["kernels"].get(n, 0)
+                                        for r in rows}} for n in kernel_names],
+                [("kernel", "kernel", "s")] + [(f"{r['role'][0]}{r['batch']}x{r['query_len']}",
+                                                 f"{r['role'][0]}{r['batch']}x{r['query_len']}", "d") for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
