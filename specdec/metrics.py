@@ -141,7 +141,8 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _g("specdec_expected_speedup", "Ŝ = (1-α^(γ+1)) / ((1-α)(γc+1)) with c of the basis", "basis"),
     _g("specdec_measured_speedup", "Emitted tokens/s over plain-decoding tokens/s, same batches"),
     _g("specdec_step_transport_state",
-       "How step messages reach each model server: 1 on the path in use, 0 on the others (grpc: the "
+       "How step messages reach each model server: 1 on the path in use, 0 on the others and on "
+       "every path before the first step (grpc: the "
        "gRPC stream; socket: the server's step channel; shared: the step channel with its frames "
        "through shared memory, a server on this host)", "server", "path"),
 )
@@ -295,6 +296,9 @@ class CoordinatorMetrics(_ProcessMetrics):
         self._m["specdec_expected_speedup"].labels(basis="system")
         self._set_window(self.stats.window())
         self._transports: dict[str, str] = {}   # server -> its step transport as last set
+        for server in ("draft", "target"):   # every path at 0 until a step call opens
+            for p in STEP_TRANSPORTS:
+                self._child("specdec_step_transport_state", server=server, path=p).set(0)
 
     def set_step_transport(self, server: str, path: str) -> None:
         """The path `server`'s (draft | target) steps take now: its series reads 1, the others 0.
