@@ -399,8 +399,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int,
                    help="tokens per request (default 256; smoke 16). Each request's join (the step that "
                         "waits for its admission and the step that takes its prompt) is a fixed cost the "
-                        "expected speedup does not model: at 64 tokens it cost the b 8 speculative passes "
-                        "7-9%% of their slots, at 256 about 2%% (bench/README, session 34)")
+                        "expected speedup does not model: at 64 tokens the b 8 speculative passes' slots "
+                        "were empty 9%% of the steady window, at 256 2%% (bench/README, session 34)")
     p.add_argument("--hf-new-tokens", type=int, default=64,
                    help="tokens per transformers generate call (its tokens/s; eager 7B runs ~14 tok/s)")
     p.add_argument("--waves", type=int, default=3, help="requests per client and measurement")
@@ -517,7 +517,8 @@ def main(argv=None) -> int:
             else:
                 r.update({k: v for k, v in hf.items() if k != "pair"})
     result = {"benchmark": "e2e", "environment": environment(), "device": a.device, "gpus": gpus,
-              "settings": {"new_tokens": a.new_tokens, "hf_new_tokens": a.hf_new_tokens, "gamma": a.gamma, "waves": a.waves,
+              "settings": {"new_tokens": a.new_tokens, "hf_new_tokens": a.hf_new_tokens, "gamma": a.gamma,
+                           "waves": a.waves,
                            "batches": a.batches, "batches_7b": a.batches_7b, "smoke": a.smoke,
                            "quick": a.quick, "deadline_s": a.deadline,
                            "sampling": sampling_params(a) or "greedy",
