@@ -16,3 +16,5 @@ TIMELINE_S=200 TIMELINE_SETS=default TIMELINE_ARGS="--shapes llama-7b --batches 
 # call 8 (22 s): launch_probe.py with the profiler fallback: the target's graphs listed; it then aborted on
 # a draft chain graph replayed without staged inputs (the chains are left out since)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; cd bench && timeout 200 python3 launch_probe.py --batches 1 8
+# call 9 (91 s): --pipeline on one GPU (a pipelined pass beside each speculative pass), 7B + 68m, 256 tokens
+E2E_S=190 E2E_DEADLINE=175 E2E_ARGS="--sections 7b --drafts llama-68m --pipeline" OUT=$OUT bash bench/gpu_suite.sh e2e
