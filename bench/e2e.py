@@ -273,9 +273,9 @@ def _metric(samples: dict, name: str, batch: int) -> float | None:
 
 
 def step_paths(samples: dict) -> dict:
-    """{server: the path its steps took (grpc | socket | shared)} from the coordinator's
+    """{role: how its steps traveled (grpc | socket | shared)} from the coordinator's
     specdec_step_transport_state gauge; {} from a coordinator that does not export it."""
-    return {labels["server"]: labels["path"] for labels, v in samples.get("specdec_step_transport_state") or []
+    return {labels["role"]: labels["transport"] for labels, v in samples.get("specdec_step_transport_state") or []
             if v == 1}
 
 
@@ -402,7 +402,8 @@ def parse_args(argv=None):
                         "expected speedup does not model: at 64 tokens the b 8 speculative passes' slots "
                         "were empty 9%% of the steady window, at 256 2%% (bench/README, session 34)")
     p.add_argument("--hf-new-tokens", type=int, default=64,
-                   help="tokens per transformers generate call (its tokens/s; eager 7B runs ~14 tok/s)")
+                   help="tokens per transformers generate call, for its tokens/s (default 64, at most "
+                        "--new-tokens; its eager 7B ran 14-16 tok/s on an H200)")
     p.add_argument("--waves", type=int, default=3, help="requests per client and measurement")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
     p.add_argument("--busy-poll-ms", type=float, default=20.0,
@@ -429,6 +430,8 @@ def parse_args(argv=None):
     a.device = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
     a.batches = a.batches or ([1, 2] if a.smoke else [1, 8])
     a.new_tokens = a.new_tokens or (16 if a.smoke else 256)
+    if a.hf_new_tokens < 1 or a.new_tokens < 1:
+        p.error("--new-tokens and --hf-new-tokens must be at least 1")
     a.hf_new_tokens = min(a.hf_new_tokens, a.new_tokens)
     if a.smoke:
         a.waves = min(a.waves, 2)

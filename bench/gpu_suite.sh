@@ -18,7 +18,7 @@
 #         default@4096+256" times c with the bench's own bound, a 4096 one, and 4096 with a 256 set.
 #         Suggested calls (each < 10 min):
 #   bash bench/gpu_suite.sh tests                 # ~210 s with 8 workers (session 25)
-#   bash bench/gpu_suite.sh e2e                   # ~330 s at 256 tokens a request (E2E_ARGS: more e2e.py arguments)
+#   bash bench/gpu_suite.sh e2e                   # ~250 s on one H200 at 256 tokens a request (session 34; E2E_ARGS: more e2e.py arguments)
 #   bash bench/gpu_suite.sh decode cost gemv      # ~90 s, then: attention (~200 s), serving
 # The device image lacks grpcio-health-checking / grpcio-reflection: put their 1.84.0 wheels in
 # .whl (pip download --no-deps --only-binary=:all: -d .whl ...) and carry it; they are installed
@@ -85,15 +85,15 @@ for s in "$@"; do
       echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps/pipe nvidia-cuda-mps-control
       grep -i "client" $mps/log/control.log | tail -n 6 | tee -a "$log"
       keep e2e_ab.json ;;
-    e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files)
+    e2e-profile)  # the 7B pairs with every process profiled, as one tarball (the device returns <= 8 files); 64 tokens a request
       rm -rf /tmp/specdec-profiles && mkdir -p /tmp/specdec-profiles
       SPECDEC_PROFILE_DIR=/tmp/specdec-profiles run e2e-profile "${E2E_S:-200}" python3 bench/e2e.py \
-        --sections 7b --batches-7b ${PROFILE_BATCHES:-1} --deadline "${E2E_DEADLINE:-150}" ${PROFILE_ARGS:-}
+        --sections 7b --batches-7b ${PROFILE_BATCHES:-1} --deadline "${E2E_DEADLINE:-150}" --new-tokens 64 ${PROFILE_ARGS:-}
       tar czf "$OUT/profiles.tgz" -C /tmp/specdec-profiles . ;;
-    e2e-trace)  # the transport split into its parts (specdec/trace.py stamps, bench/trace_steps.py)
+    e2e-trace)  # the transport split into its parts (specdec/trace.py stamps, bench/trace_steps.py); 64 tokens a request
       rm -rf /tmp/specdec-trace
       SPECDEC_TRACE_DIR=/tmp/specdec-trace run e2e-trace "${E2E_S:-200}" python3 bench/e2e.py \
-        --sections 7b --deadline "${E2E_DEADLINE:-150}" ${TRACE_ARGS:---drafts llama-68m}
+        --sections 7b --deadline "${E2E_DEADLINE:-150}" --new-tokens 64 ${TRACE_ARGS:---drafts llama-68m}
       run trace-steps 60 python3 bench/trace_steps.py /tmp/specdec-trace; keep trace_steps.json ;;
     serving) run serving "${SERVING_S:-400}" python3 bench/serving.py; keep serving.json serving.png ;;
     attention) run attention "${ATTN_S:-260}" python3 bench/attention.py --tune-seconds "${TUNE_S:-60}"; keep attention.json ;;

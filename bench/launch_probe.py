@@ -1,5 +1,5 @@
 """What a CUDA graph's launch costs on the host, and what the graph holds: per captured graph of the
-7B target and its draft (batch sizes --batches, query lengths 1 and k + 1), the nodes by type
+7B target and its draft at batch sizes --batches (every query-length and prefill bucket), the nodes by type
 (kernel, memset, memcpy, event, ...), the kernels by name, and the host microseconds of one
 replay() (cudaGraphLaunch) on an idle GPU, right after a replay of the same graph.
 
@@ -10,9 +10,11 @@ b 1's, with about as many kernels; this lists what differs. Nodes come from cuda
 (cudaGraphGetNodes, cudaGraphNodeGetType, cuFuncGetName) where torch kept the graph
 (keep_graph=True), else from the device ops of one replay under torch.profiler (kernels, memsets,
 memcopies); where a lookup fails the row says so. Writes bench/results/launch_probe.json.
-H200, session 34 (`results/logs/s34/call8_launch_probe.log`): every 7B graph was kernels only
-(266 at b 1 up to 16 tokens, 329 above; 234 at b 8 up to 2 tokens, 297 above) and launched in
-65-153 us with no order by size (b 1 q 5 133 us, b 8 q 5 138): the launch is ~0.3-0.5 us a node.
+H200, session 34 (`results/logs/s34/call8_launch_probe.log`, from this script before its last
+edits: its own copy of the launch timing, the draft's chain graphs still in, where it aborted):
+every 7B graph was kernels only (266 at b 1 up to 16 tokens, 329 above; 234 at b 8 up to 2 tokens,
+297 above) and launched in 65-153 us with no order by size (b 1 q 5 133 us, b 8 q 5 138): ~0.25-0.5
+us a node. The script as it is has not run on a GPU yet.
 """
 from __future__ import annotations
 

@@ -149,7 +149,8 @@ class ChannelCall:
 
     def __init__(self, host: str, port: int, response_cls, connect_timeout: float = CHANNEL_CONNECT_TIMEOUT_S,
                  shared: "SharedFrames | None" = None, on_path=None):
-        """on_path(path): told "shared" or "socket" once a connection is set up (its frames' path)."""
+        """on_path(transport): told "shared" or "socket" once a connection is set up (how its
+        frames travel)."""
         self.host, self.port, self.response_cls = host, port, response_cls
         self.connect_timeout = connect_timeout
         self.shared = shared
@@ -433,10 +434,10 @@ class ModelServer:
         self._on_path("grpc")
         return self.stub.Propose() if self.role == "draft" else self.stub.Verify()
 
-    def _on_path(self, path: str) -> None:
-        """specdec_step_transport_state: the path this server's steps take from here on."""
+    def _on_path(self, transport: str) -> None:
+        """specdec_step_transport_state: how this server's steps travel from here on."""
         if self.metrics is not None:
-            self.metrics.set_step_transport(self.role, path)
+            self.metrics.set_step_transport(self.role, transport)
 
     async def _exchange(self, request, on_sent=None):
         await self._call.write(request)

@@ -141,12 +141,12 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _g("specdec_expected_speedup", "Ŝ = (1-α^(γ+1)) / ((1-α)(γc+1)) with c of the basis", "basis"),
     _g("specdec_measured_speedup", "Emitted tokens/s over plain-decoding tokens/s, same batches"),
     _g("specdec_step_transport_state",
-       "How step messages reach each model server: 1 on the path in use, 0 on the others and on "
-       "every path before the first step (grpc: the "
-       "gRPC stream; socket: the server's step channel; shared: the step channel with its frames "
-       "through shared memory, a server on this host)", "server", "path"),
+       "How step messages reach each model server (role: draft or target): 1 on the transport in "
+       "use, 0 on the others and on all before the first step. grpc: the gRPC stream; socket: the "
+       "server's step channel; shared: the step channel with its frames through shared memory (a "
+       "server on this host)", "role", "transport"),
 )
-# specdec_step_transport_state's paths (coordinator/servers.py chooses one per server)
+# specdec_step_transport_state's transports (coordinator/servers.py chooses one per server)
 STEP_TRANSPORTS = ("grpc", "socket", "shared")
 
 
@@ -295,21 +295,21 @@ class CoordinatorMetrics(_ProcessMetrics):
         self._m["specdec_expected_speedup"].labels(basis="model")
         self._m["specdec_expected_speedup"].labels(basis="system")
         self._set_window(self.stats.window())
-        self._transports: dict[str, str] = {}   # server -> its step transport as last set
-        for server in ("draft", "target"):   # every path at 0 until a step call opens
-            for p in STEP_TRANSPORTS:
-                self._child("specdec_step_transport_state", server=server, path=p).set(0)
+        self._transports: dict[str, str] = {}   # role -> its step transport as last set
+        for role in ("draft", "target"):   # every transport at 0 until a step call opens
+            for t in STEP_TRANSPORTS:
+                self._child("specdec_step_transport_state", role=role, transport=t).set(0)
 
-    def set_step_transport(self, server: str, path: str) -> None:
-        """The path `server`'s (draft | target) steps take now: its series reads 1, the others 0.
-        Set when a step call opens (not on every step)."""
-        if path not in STEP_TRANSPORTS:
-            raise ValueError(f"path must be one of {STEP_TRANSPORTS}, got {path!r}")
-        if self._transports.get(server) == path:
+    def set_step_transport(self, role: str, transport: str) -> None:
+        """The transport `role`'s (draft | target) steps take now: its series reads 1, the others
+        0. Set when a step call opens (not on every step)."""
+        if transport not in STEP_TRANSPORTS:
+            raise ValueError(f"transport must be one of {STEP_TRANSPORTS}, got {transport!r}")
+        if self._transports.get(role) == transport:
             return
-        self._transports[server] = path
-        for p in STEP_TRANSPORTS:
-            self._child("specdec_step_transport_state", server=server, path=p).set(1 if p == path else 0)
+        self._transports[role] = transport
+        for t in STEP_TRANSPORTS:
+            self._child("specdec_step_transport_state", role=role, transport=t).set(1 if t == transport else 0)
 
     def _position_series(self, p: int) -> tuple:
         # Positions past max_positions share one series, bounding the label's cardinality.

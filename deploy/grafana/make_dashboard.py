@@ -130,10 +130,10 @@ PANELS = [
      "Share of requests ending in an error status (client cancellations excluded), and per-process "
      "errors per second (failed RPCs and per-sequence errors)."),
     ("Step transport", "short", "timeseries", [
-        ("max by (server, path) (specdec_step_transport_state) > 0", "{{server}} {{path}}")],
+        ("max by (role, transport) (specdec_step_transport_state) > 0", "{{role}} {{transport}}")],
      "How the coordinator's step messages reach each model server: grpc (the gRPC stream), socket "
      "(the server's step channel) or shared (its frames through shared memory: coordinator and "
-     "server on one host, the coordinator busy-polling). A line per path in use."),
+     "server on one host, the coordinator busy-polling). A line per transport in use."),
 ]
 
 

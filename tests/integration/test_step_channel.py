@@ -22,6 +22,7 @@ import struct
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from coordinator.launch import free_port, spawn_server, start_healthy, start_process, stop_all
 from coordinator import servers as servers_mod
@@ -29,6 +30,7 @@ from coordinator.servers import ModelServer, StepFailed
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from protos.wire import FRAME_ERROR, FRAME_MESSAGE, frame, pack_ids
+from specdec.metrics import STEP_TRANSPORTS, CoordinatorMetrics
 from tests.helpers.cluster import server_info, tiny_cluster
 from tests.helpers.tiny_models import make_pair
 from tests.integration.test_services import run_many
@@ -205,8 +207,14 @@ def test_a_step_port_in_use_is_a_clear_start_up_error(pair, tmp_path):
 
 
 def test_an_unreachable_channel_falls_back_to_grpc_without_losing_the_step(target):
+    registry = CollectorRegistry()
+
+    def transport() -> str:   # specdec_step_transport_state's 1 for the target
+        return next(t for t in STEP_TRANSPORTS if registry.get_sample_value(
+            "specdec_step_transport_state", {"role": "target", "transport": t}) == 1)
+
     async def main():
-        server = ModelServer("target", target.address)
+        server = ModelServer("target", target.address, metrics=CoordinatorMetrics(registry))
         try:
             await server.wait_ready(30)
             with socket.socket() as s:           # a port nothing listens on (a firewall's refusal)
@@ -215,6 +223,7 @@ def test_an_unreachable_channel_falls_back_to_grpc_without_losing_the_step(targe
             real, server.step_port = server.step_port, closed
             got = (await server.step(first_step(50), timeout=10)).results[0]
             assert got.next_token >= 0 and server.transport == "grpc"   # answered, over gRPC
+            assert transport() == "grpc"
             await server.info()                  # another port named: the channel is tried again
             assert server.step_port == real and server.transport == "channel"
             server._channel_off = True           # as if the real port had been unreachable
@@ -225,6 +234,7 @@ def test_an_unreachable_channel_falls_back_to_grpc_without_losing_the_step(targe
             await server.info()                  # an Info after a failed call: the channel again
             assert server.transport == "channel"
             again = (await server.step(first_step(52, 3), timeout=10)).results[0]
+            assert transport() == "socket"       # the gauge follows the channel back
             return got, again
         finally:
             await server.close()

@@ -8,8 +8,8 @@ CPU and the coordinator's ModelServer:
 - a server with SPECDEC_STEP_SHM=0 refuses the offer and the same steps go over socket frames; so
   do they against a server that does not know the offer (an older one: it answers an error frame
   and closes), on a new connection; the ModelServer offers no more after a refusal;
-- the coordinator's specdec_step_transport_state gauge names the path its steps took (shared,
-  socket or grpc);
+- the coordinator's specdec_step_transport_state gauge names the transport its steps took
+  (shared, socket or grpc);
 - through the whole cluster with the coordinator polling, greedy output is the same with the
   coordinator's shared frames on and off, and its log says they were used.
 """
@@ -68,10 +68,10 @@ def _spawn(pair, tmp_path, env=None):
     return proc
 
 
-def _transport(registry: CollectorRegistry, server: str = "target") -> dict[str, float | None]:
-    """specdec_step_transport_state's series of `server`, by path."""
-    return {p: registry.get_sample_value("specdec_step_transport_state", {"server": server, "path": p})
-            for p in STEP_TRANSPORTS}
+def _transport(registry: CollectorRegistry, role: str = "target") -> dict[str, float | None]:
+    """specdec_step_transport_state's series of `role`, by transport."""
+    return {t: registry.get_sample_value("specdec_step_transport_state", {"role": role, "transport": t})
+            for t in STEP_TRANSPORTS}
 
 
 async def _steps(address: str, poll_s: float, seq_id: int, channel: bool = True, metrics=None):
@@ -94,18 +94,18 @@ def test_steps_through_shared_slots_answer_as_over_the_socket(pair, tmp_path):
     proc = _spawn(pair, tmp_path)
     try:
         registries = [CollectorRegistry() for _ in range(3)]
-        shared, slotted, refused = asyncio.run(_steps(proc.address, 0.02, 10, metrics=CoordinatorMetrics(registries[0])))
+        shared, slotted, refused = asyncio.run(_steps(proc.address, 0.02, 10,
+                                                      metrics=CoordinatorMetrics(registries[0])))
         assert slotted and refused is None
         plain, slotted, _ = asyncio.run(_steps(proc.address, 0.0, 20, metrics=CoordinatorMetrics(registries[1])))
         assert not slotted and plain == shared
         over_grpc, _, _ = asyncio.run(_steps(proc.address, 0.02, 30, channel=False,
                                              metrics=CoordinatorMetrics(registries[2])))
         assert over_grpc == shared
-        # specdec_step_transport_state says which path each ModelServer's steps took.
+        # specdec_step_transport_state says how each ModelServer's steps traveled.
         assert [_transport(r) for r in registries] == [dict(grpc=0, socket=0, shared=1),
                                                        dict(grpc=0, socket=1, shared=0),
                                                        dict(grpc=1, socket=0, shared=0)]
-        assert _transport(registries[0], "draft") == dict(grpc=0, socket=0, shared=0)   # no draft steps
         assert all(r[0][1] >= 0 for r in shared)
         assert _memfds() == []                         # every offered descriptor was closed
     finally:

@@ -10,11 +10,10 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # the benchmarks are scripts: `common` and `services` are top-level
 
-from services import has_weights, leviathan_alpha, write_shape_folder  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
+from services import has_weights, leviathan_alpha, write_shape_folder  # noqa: E402
 
-from specdec.metrics import CoordinatorMetrics, start_metrics_server  # noqa: E402
-from specdec.metrics import scrape as scrape_address  # noqa: E402
+from specdec.metrics import CoordinatorMetrics, scrape, start_metrics_server  # noqa: E402
 
 SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=9000, hidden_size=64,
              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -134,20 +133,23 @@ def test_per_step_speedup_is_tau_times_the_step_ratio():
     assert per_step({**row, "step_ms_spec": None}) == {} and per_step({"tau": None}) == {}
 
 
-def test_step_transport_state_names_one_path_per_server_and_e2e_reads_it_back():
+def test_step_transport_state_names_one_transport_per_server_and_e2e_reads_it_back():
     from e2e import step_paths
     reg = CollectorRegistry()
     cm = CoordinatorMetrics(reg)
     server = start_metrics_server(0, reg, addr="127.0.0.1")
     try:
-        assert step_paths(scrape_address(f"127.0.0.1:{server.port}")) == {}   # no step call yet
+        before = scrape(f"127.0.0.1:{server.port}")
         cm.set_step_transport("target", "socket")
         cm.set_step_transport("draft", "grpc")
         cm.set_step_transport("target", "shared")    # a later connection took shared slots
-        samples = scrape_address(f"127.0.0.1:{server.port}")
+        samples = scrape(f"127.0.0.1:{server.port}")
     finally:
         server.close()
+    assert step_paths(before) == {}                   # every series at 0: no step call yet
+    assert len(before["specdec_step_transport_state"]) == 6
     assert step_paths(samples) == {"target": "shared", "draft": "grpc"}
-    assert sorted(v for labels, v in samples["specdec_step_transport_state"] if labels["server"] == "target") == [0, 0, 1]
-    with pytest.raises(ValueError, match="path must be one of"):
+    target = [v for labels, v in samples["specdec_step_transport_state"] if labels["role"] == "target"]
+    assert sorted(target) == [0, 0, 1]
+    with pytest.raises(ValueError, match="transport must be one of"):
         cm.set_step_transport("target", "pipe")

@@ -410,4 +410,3 @@ def test_engine_decode_profile_is_a_view_of_one_cost_profile():
     assert profile(4) == profile(3) == pytest.approx(0.010)
     assert profile(1) == 0.0 and profile(0) == 0.0  # never timed; no forward at all
     assert samples == [(3, 0.010), (2, 0.006)]
-
