@@ -11,6 +11,10 @@ speculative step at b 8 take 6.7 ms in process for ~4.9 ms of device work, and t
 span 0.2-0.4 ms longer than its prepare plus a replay; this says which host work the GPU waits on.
 Medians per step over --steps steps. Writes bench/results/gaps.json (and keeps the Chrome trace of
 the first batch size in bench/results/gaps_trace_b<B>.json.gz with --keep-trace).
+Without the profiler (session 35): every CUDAGraph.replay() timed on the host by graph, and by
+whether the stream had work queued (launch_split_steps; `--launch-variants`: for plain steps too),
+and a CUDA-event timeline of bare steps (event_timeline_steps: the GPU-idle host work before each
+launch, each launch's span, the work after the last replay), both printed as tables.
 `--compare A=a1.json B=b1.json A=a2.json ...` runs nothing: it prints the bare host splits of
 earlier results side by side (medians per label, ratios to the first label); `gpu_suite.sh gaps-ab`
 runs gaps.py over another commit's packages and this tree in turn and compares them so.
@@ -148,6 +152,139 @@ def host_split_steps(loop, steps: int) -> dict:
     step_us = 1e6 * statistics.median(sum(s.values()) for s in per)
     host_us = 1e6 * statistics.median(sum(v for k, v in s.items() if k != "wait") for s in per)
     return {"step_us": step_us, "host_us": host_us, "exclusive_us": med}
+
+
+def graph_names(engines: dict) -> dict[int, str]:
+    """id(CUDAGraph) -> "role kind bucket" for every graph of each engine's runner (every context
+    bound's set: the same name for a bucket in each, as a step picks its set by context)."""
+    names = {}
+    for role, engine in engines.items():
+        graphs = engine.runner.graphs
+        for s in getattr(graphs, "sets", [graphs] if graphs is not None else []):
+            for (b, q), g in s.graphs.items():
+                names[id(g.graph)] = f"{role} {'decode' if q == 1 else 'q' + str(q)} b{b}"
+            for kind, table_ in (("chain", s.chains), ("sampled chain", s.sampled_chains), ("head", s.heads)):
+                for b, g in table_.items():
+                    names[id(getattr(g, "graph", g))] = f"{role} {kind} b{b}"
+    return names
+
+
+def launch_split_steps(step, steps: int, names: dict[int, str]) -> list[dict]:
+    """Bare steps (step(): e.g. an anatomy.Loop's spec) with every CUDAGraph.replay() call timed on the host, by graph, and
+    whether the stream still had work queued when it was called (busy: the launch queues behind
+    it; idle: the GPU waits on this call). Per graph name: launches a step, median us a launch
+    by idle / busy stream, and us a step (medians over the steps). Where a step's host time in
+    cuda.launch goes, graph by graph (gaps' host split has it as one sum)."""
+    calls: list[tuple[str, bool, float]] = []
+    original = torch.cuda.CUDAGraph.replay
+
+    def timed(graph):
+        busy = not torch.cuda.current_stream().query()
+        t0 = time.perf_counter()
+        original(graph)
+        calls.append((names.get(id(graph), "?"), busy, time.perf_counter() - t0))
+
+    per: list[list[tuple[str, bool, float]]] = []
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        for _ in range(steps):
+            step()
+            per.append(calls[:])
+            calls.clear()
+    finally:
+        torch.cuda.CUDAGraph.replay = original
+    return launch_rows(per)
+
+
+def launch_rows(per: list[list[tuple[str, bool, float]]]) -> list[dict]:
+    """launch_split_steps' rows from its steps' (graph, stream busy, seconds) calls: per graph,
+    launches a step and us a step (medians over the steps, 0 in a step without it), and the
+    median us of a launch on an idle and on a busy stream with how many there were."""
+    rows = []
+    for name in sorted({c[0] for step in per for c in step}):
+        mine = [[c for c in step if c[0] == name] for step in per]
+        row = {"graph": name, "per_step": statistics.median(len(m) for m in mine),
+               "us_per_step": 1e6 * statistics.median(sum(c[2] for c in m) for m in mine)}
+        for state, flag in (("idle", False), ("busy", True)):
+            took = [c[2] for m in mine for c in m if c[1] == flag]
+            row[f"{state}_n"] = len(took)
+            row[f"{state}_us"] = 1e6 * statistics.median(took) if took else None
+        rows.append(row)
+    return rows
+
+
+def event_timeline_steps(loop, steps: int, names: dict[int, str]) -> list[dict]:
+    """Bare speculative steps with a CUDA event recorded where each engine call begins and ends
+    and just before and after each CUDAGraph.replay() call. An event recorded while the stream is
+    idle completes when it is recorded; one recorded after a replay, when the replay's work is done.
+    So the time between consecutive events is GPU-idle host work (propose> -> replay>: what the
+    draft does before its first launch), or a launch's exposure plus the graph's device time
+    (replay> -> replay<), or queued device time (replay< -> replay<). Per segment (label of its
+    two ends, in step order): median us over the steps. Adds ~3 us of host time per event."""
+    import importlib
+    stream = torch.cuda.current_stream()
+    marks: list[tuple[str, torch.cuda.Event]] = []
+
+    def mark(label: str) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        marks.append((label, e))
+
+    original = torch.cuda.CUDAGraph.replay
+
+    def timed(graph):
+        name = names.get(id(graph), "?")
+        mark(f"replay> {name}")
+        original(graph)
+        mark(f"replay< {name}")
+
+    def around(fn, label):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            mark(f"{label}>")
+            out = fn(*args, **kwargs)
+            mark(f"{label}<")
+            return out
+        return inner
+
+    engines = [(importlib.import_module("specdec.engine.draft").DraftEngine, "propose"),
+               (importlib.import_module("specdec.engine.target").TargetEngine, "verify")]
+    saved = [(cls, m, cls.__dict__[m]) for cls, m in engines]
+    per: list[list[tuple[str, float]]] = []
+    torch.cuda.CUDAGraph.replay = timed
+    for cls, m, fn in saved:
+        setattr(cls, m, around(fn, m))
+    try:
+        for _ in range(steps):
+            mark("step>")
+            loop.spec()
+            mark("step<")
+            marks[-1][1].synchronize()
+            t0 = marks[0][1]
+            per.append([(label, 1e3 * t0.elapsed_time(e)) for label, e in marks])
+            marks.clear()
+    finally:
+        torch.cuda.CUDAGraph.replay = original
+        for cls, m, fn in saved:
+            setattr(cls, m, fn)
+    return segments(per)
+
+
+def segments(per: list[list[tuple[str, float]]]) -> list[dict]:
+    """Per step its marks (label, us since the step's first mark), in order: the median us
+    between each two consecutive marks, by position, over the steps that took the most common
+    path (the same sequence of labels: a draft step may chain from a head graph or not; the
+    first such path on a tie), then the whole step (first mark to last) with how many steps."""
+    shapes = [tuple(label for label, _ in p) for p in per]
+    shape = max(dict.fromkeys(shapes), key=shapes.count)
+    same = [p for p, sh in zip(per, shapes) if sh == shape]
+    rows = []
+    for i in range(1, len(shape)):
+        rows.append({"segment": f"{shape[i - 1]} -> {shape[i]}",
+                     "us": statistics.median(p[i][1] - p[i - 1][1] for p in same)})
+    rows.append({"segment": f"step ({shape[0]} -> {shape[-1]})",
+                 "us": statistics.median(p[-1][1] - p[0][1] for p in same), "steps": len(same)})
+    return rows
 
 
 def trace_events(trace: dict) -> tuple[list[tuple[float, float, str]], list[tuple[str, float, float]]]:
@@ -355,6 +492,8 @@ def main() -> int:
                    help="no run: the bare host splits of earlier gaps.json results side by side")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no device events)")
     p.add_argument("--keep-trace", action="store_true")
+    p.add_argument("--launch-variants", action="store_true",
+                   help="also the replay() split for plain steps (the target alone)")
     from anatomy import pair_args
     pair_args(p, steps=16)
     a = p.parse_args()
@@ -375,7 +514,14 @@ def main() -> int:
             loop.spec()
         bare = bare_steps(loop, a.steps)
         split = host_split_steps(loop, a.steps)
+        names = graph_names({"draft": draft, "target": target})
+        launch_split = launch_split_steps(loop.spec, a.steps, names) if a.device != "cpu" else []
+        timeline = event_timeline_steps(loop, a.steps, names) if a.device != "cpu" else []
         trace = profile_steps(loop, a.steps)
+        if a.launch_variants and a.device != "cpu":
+            # The same split for plain steps (the target alone; last: the draft no longer follows
+            # these sequences).
+            launch_split += [{**r, "variant": "plain steps"} for r in launch_split_steps(loop.plain, a.steps, names)]
         loop.close()
         if a.keep_trace and i == 0:
             with gzip.open(ROOT / "bench" / "results" / f"gaps_trace_b{b}.json.gz", "wt") as f:
@@ -390,7 +536,8 @@ def main() -> int:
                     graphs[name] = g.graph
         launches = launch_after(graphs, target.runner.device) if graphs else []
         rows.append({"batch": b, "unprofiled_step_us": bare["step_us"], "bare": bare, "host_split": split,
-                     "replay_ms_after_idle_us": idle, "launch_after": launches, **summarize(per_step(trace))})
+                     "replay_ms_after_idle_us": idle, "launch_after": launches,
+                     "launch_split": launch_split, "event_timeline": timeline, **summarize(per_step(trace))})
         print(f"batch {b}: { {k: v for k, v in rows[-1].items() if k != 'waits'} }", flush=True)
     path = write_result("gaps", {"benchmark": "gaps", "environment": environment(), "target": a.target,
                                  "draft": a.draft, "k": a.k, "steps": a.steps, "rows": rows})
@@ -432,6 +579,18 @@ def main() -> int:
         print("\nhost us of a graph's launch (replay() call) on an idle GPU, by the graph replayed just before it")
         print(table(launch_rows, [("batch", "b", "d"), ("graph", "graph", "s"), ("after", "after", "s"),
                                   ("launch_us", "launch us", ".1f")]))
+    split_rows = [{"batch": r["batch"], **x} for r in rows for x in r["launch_split"]]
+    if split_rows:
+        print("\nhost us of each replay() call in bare steps, by graph and by whether the stream had work "
+              "queued (busy) or not (idle) when it was called (medians)")
+        print(table(split_rows, [("batch", "b", "d"), ("variant", "variant", "s"), ("graph", "graph", "s"), ("per_step", "a step", ".0f"),
+                                 ("us_per_step", "us a step", ".1f"), ("idle_n", "idle n", "d"),
+                                 ("idle_us", "idle us", ".1f"), ("busy_n", "busy n", "d"), ("busy_us", "busy us", ".1f")]))
+    for r in rows:
+        if r["event_timeline"]:
+            print(f"\nbatch {r['batch']}: us between consecutive CUDA events of a bare step (medians; "
+                  "'>' before, '<' after a call; idle stream: host time, after a replay: its device work)")
+            print(table(r["event_timeline"], [("segment", "segment", "s"), ("us", "us", ".1f")]))
     print("\nus per speculative step (medians): the step's wall time without the profiler and under it, "
           "the GPU's busy and idle time, and the idle time by the innermost host range open meanwhile")
     print(table(flat, [("batch", "b", "d"), ("bare", "step bare", ".0f"), ("window", "step traced", ".0f"), ("busy", "GPU busy", ".0f"),

@@ -4,6 +4,7 @@
 replay() (cudaGraphLaunch) on an idle GPU, right after a replay of the same graph.
 
     python3 bench/launch_probe.py [--batches 1 8]
+    python3 bench/launch_probe.py --conditions [--batches 1 8]   # replay() after staging, waits, syncs
 
 Session 34's gaps.py found the b 8 verify graph's replay() at 168 us of host against 72 us for
 b 1's, with about as many kernels; this lists what differs. Nodes come from cuda.bindings
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from common import environment, table, write_result
@@ -85,13 +88,126 @@ def graph_nodes(graph: torch.cuda.CUDAGraph) -> tuple[dict, dict, str | None]:
     return dict(kinds), dict(names), problem
 
 
+_ONES = torch.ones(1024)
+
+
+def _spin(us: float) -> None:
+    until = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < until:
+        pass
+
+
+# What runs on the host between the last sync and a graph's replay() (conditions()): the staging
+# of the step's inputs (a pinned host-to-device copy) or not, then a wait of some kind or none.
+CONDITIONS = {
+    "staged": lambda stage, sync: stage(),  # (each takes an `other` too where it names it)
+    "staged, spin 50 us": lambda stage, sync: (stage(), _spin(50)),
+    "staged, spin 300 us": lambda stage, sync: (stage(), _spin(300)),
+    "staged, synchronize": lambda stage, sync: (stage(), sync()),
+    "tolist, staged": lambda stage, sync: (_ONES.cuda().sum().tolist(), stage()),
+    # as a step reads its forward's result: the argmax of the last replay's logits, by tolist
+    "own argmax, tolist, staged": lambda stage, sync, own: (own(), stage()),
+    # and as in back-to-back steps: the same graph replayed, its argmax read, the next staged
+    "own replay, argmax, tolist, staged": lambda stage, sync, own: (own(True), stage()),
+    # as in a speculative step: the other server's forward ran last, its result read by tolist
+    "other's replay, tolist, staged": lambda stage, sync, other: (other(), _ONES.cuda().sum().tolist(), stage()),
+    "other's replay, synchronize, staged": lambda stage, sync, other: (other(), sync(), stage()),
+    "not staged": lambda stage, sync: None,
+    "not staged, event recorded": lambda stage, sync: torch.cuda.Event().record(),
+}
+
+
+def conditions(engine, items_of, b: int, q: int, other, reps: int = 20) -> list[dict]:
+    """Host us of the replay() of bucket (b, q) after each of CONDITIONS, each rep starting on an
+    idle GPU (synchronize), and the wall us from the condition's start until the replay's work is
+    done (synchronize): what the step's critical path pays for staging + launch + the forward.
+    items_of(): the b sequences' SeqInputs of q tokens (their KV grows by q each prepare; cut
+    back after each rep). other(): a replay of the other engine's graph."""
+    runner = engine.runner
+    rows = []
+    for name, before in CONDITIONS.items():
+        host, wall = [], []
+        for i in range(reps + 2):
+            items = items_of()
+            lens = [runner.num_tokens(it.seq_id) for it in items]
+            batch = runner.prepare(items)          # staged once outside the timing for "not staged"
+            if batch.graph_key is None:
+                return []
+            g = runner.graphs.staged_graph(batch)
+            torch.cuda.synchronize()
+            restage = lambda: runner.graphs.staged_graph(runner.prepare(  # noqa: E731
+                [type(it)(it.seq_id, it.token_ids, it.num_logits) for it in items_after_cut(runner, items, lens)]))
+            t0 = time.perf_counter()
+            staged = {}
+            args = (lambda: staged.setdefault("g", restage()), torch.cuda.synchronize)
+            if "own" in name:
+                before(*args, lambda replay=False: (replay and g.graph.replay(), g.logits.argmax(-1).tolist()))
+            else:
+                before(*args, other) if "other" in name else before(*args)
+            graph = staged.get("g", g).graph
+            t1 = time.perf_counter()
+            graph.replay()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            for it, n in zip(items, lens):
+                runner.truncate(it.seq_id, n)
+            if i >= 2:
+                host.append(t2 - t1)
+                wall.append(t3 - t0)
+        rows.append({"batch": b, "query_len": q, "condition": name,
+                     "launch_us": 1e6 * statistics.median(host), "wall_us": 1e6 * statistics.median(wall)})
+    return rows
+
+
+def items_after_cut(runner, items, lens):
+    """items again, after cutting each sequence back to its length before the first prepare."""
+    for it, n in zip(items, lens):
+        runner.truncate(it.seq_id, n)
+    return items
+
+
+def main_conditions(a) -> int:
+    from anatomy import Loop, PROMPT, engines
+    from services import write_shape_folder
+    from specdec.runner import SeqInput
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = write_shape_folder(Path(tmp) / "target", a.target)
+        d_dir = write_shape_folder(Path(tmp) / "draft", a.draft)
+        draft, target = engines(t_dir, d_dir, a.agreement, PROMPT + 256, a.k, "cuda", a.batches, None)
+    for i, b in enumerate(a.batches):
+        loop = Loop(draft, target, b, a.k, seed=i)
+        for _ in range(4):
+            loop.spec()
+        graph = lambda engine, q: engine.runner.graphs.graphs[(b, q)].graph  # noqa: E731
+        for role, engine, q, other in (("target", target, a.k + 1, graph(draft, 1)), ("target", target, 1, graph(draft, 1)),
+                                       ("draft", draft, 1, graph(target, a.k + 1))):
+            got = conditions(engine, lambda: [SeqInput(s, [1] * q, q) for s in loop.ids], b, q, other.replay)
+            rows += [{"role": role, **r} for r in got]
+            for r in got:
+                print(f"{role} b {b} q {q} {r['condition']}: launch {r['launch_us']:.1f} us, "
+                      f"wall {r['wall_us']:.1f} us", flush=True)
+        loop.close()
+    write_result("launch_probe", {"benchmark": "launch_probe", "mode": "conditions", "environment": environment(),
+                                  "target": a.target, "draft": a.draft, "rows": rows})
+    print(table(rows, [("role", "role", "s"), ("batch", "b", "d"), ("query_len", "q", "d"),
+                       ("condition", "before replay()", "s"), ("launch_us", "replay() us", ".1f"),
+                       ("wall_us", "wall us", ".1f")]))
+    return 0
+
+
 def main() -> int:
     from anatomy import PROMPT, engines, pair_args
     from gaps import launch_after
     from services import write_shape_folder
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pair_args(p, steps=4)
+    p.add_argument("--conditions", action="store_true",
+                   help="instead: replay() host time after staging, waits and syncs (conditions())")
     a = p.parse_args()
+    if a.conditions:
+        return main_conditions(a)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         t_dir = write_shape_folder(Path(tmp) / "target", a.target)

@@ -155,3 +155,40 @@ def test_bare_steps_give_each_engine_calls_wall_forward_and_host_medians():
     assert out["target_host_us"] == pytest.approx(1000)         # of 1000, 2500, 600
     assert out["target_wall_us"] - out["target_fwd_us"] == pytest.approx(11000 - 9500)
     assert out["step_us"] >= 0
+
+
+def test_event_segments_are_medians_by_position_over_the_most_common_path():
+    chained = [("step>", 0.0), ("propose>", 10.0), ("replay> head", 200.0), ("replay< head", 400.0),
+               ("step<", 450.0)]
+    other = [("step>", 0.0), ("propose>", 5.0), ("replay> chain", 50.0), ("step<", 60.0)]
+    slower = [("step>", 0.0), ("propose>", 30.0), ("replay> head", 300.0), ("replay< head", 700.0),
+              ("step<", 800.0)]
+    faster = [("step>", 0.0), ("propose>", 20.0), ("replay> head", 120.0), ("replay< head", 220.0),
+              ("step<", 240.0)]
+    rows = gaps.segments([other, chained, slower, faster])
+    # The three head-path steps count; the chain-path one is left out.
+    assert [r["segment"] for r in rows] == ["step> -> propose>", "propose> -> replay> head",
+                                            "replay> head -> replay< head", "replay< head -> step<",
+                                            "step (step> -> step<)"]
+    assert [r["us"] for r in rows] == [20.0, 190.0, 200.0, 50.0, 450.0]
+    assert rows[-1]["steps"] == 3
+    # A tie goes to the path seen first.
+    assert gaps.segments([other, chained])[0]["us"] == 5.0
+
+
+def test_launch_rows_split_each_graphs_launches_by_stream_state():
+    # Three steps: (graph, stream busy, seconds) per replay() call.
+    per = [
+        [("head", False, 100e-6), ("chain", True, 20e-6), ("chain", True, 30e-6), ("verify", False, 200e-6)],
+        [("head", False, 80e-6), ("chain", True, 40e-6), ("chain", False, 90e-6), ("verify", False, 150e-6)],
+        [("verify", False, 170e-6)],   # a step without the draft's graphs
+    ]
+    rows = {r["graph"]: r for r in gaps.launch_rows(per)}
+    assert set(rows) == {"head", "chain", "verify"}
+    chain = rows["chain"]
+    assert chain["per_step"] == 2 and chain["us_per_step"] == pytest.approx(50.0)   # medians of 50, 130, 0
+    assert (chain["busy_n"], chain["idle_n"]) == (3, 1)
+    assert chain["busy_us"] == pytest.approx(30.0) and chain["idle_us"] == pytest.approx(90.0)
+    head = rows["head"]
+    assert head["per_step"] == 1 and head["us_per_step"] == pytest.approx(80.0) and head["busy_us"] is None
+    assert rows["verify"]["idle_us"] == pytest.approx(170.0) and rows["verify"]["busy_n"] == 0
