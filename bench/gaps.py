@@ -196,6 +196,40 @@ def launch_split_steps(step, steps: int, names: dict[int, str]) -> list[dict]:
     return launch_rows(per)
 
 
+@contextlib.contextmanager
+def _no_clock_events():
+    """The engines' ForwardClock without CUDA events (every forward timed 0): whether the two timing
+    events a forward records (made new each step) change what a graph launch costs."""
+    from specdec.engine.timing import ForwardClock
+    forward, seconds = ForwardClock.forward, ForwardClock.seconds
+
+    @contextlib.contextmanager
+    def untimed(self, count: int = 1):
+        yield
+        self._host.append((0.0, count))
+    ForwardClock.forward = untimed
+    ForwardClock.seconds = lambda self: [0.0 for _, n in self._host for _ in range(n)]
+    try:
+        yield
+    finally:
+        ForwardClock.forward, ForwardClock.seconds = forward, seconds
+
+
+@contextlib.contextmanager
+def _gc_off():
+    import gc
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+# --launch-variants: plain steps as they are, and with one thing taken away.
+PLAIN_VARIANTS = {"plain steps": contextlib.nullcontext, "plain, no clock events": _no_clock_events,
+                  "plain, gc off": _gc_off}
+
+
 def launch_rows(per: list[list[tuple[str, bool, float]]]) -> list[dict]:
     """launch_split_steps' rows from its steps' (graph, stream busy, seconds) calls: per graph,
     launches a step and us a step (medians over the steps, 0 in a step without it), and the
@@ -521,7 +555,9 @@ def main() -> int:
         if a.launch_variants and a.device != "cpu":
             # The same split for plain steps (the target alone; last: the draft no longer follows
             # these sequences).
-            launch_split += [{**r, "variant": "plain steps"} for r in launch_split_steps(loop.plain, a.steps, names)]
+            for variant, context in PLAIN_VARIANTS.items():
+                with context():
+                    launch_split += [{**r, "variant": variant} for r in launch_split_steps(loop.plain, a.steps, names)]
         loop.close()
         if a.keep_trace and i == 0:
             with gzip.open(ROOT / "bench" / "results" / f"gaps_trace_b{b}.json.gz", "wt") as f:
