@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,6 +57,11 @@ from specdec.staging import PackedBuffer, Rows, inference
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_MAX = 16  # most steps one chain runs (a draft step's k - 1)
+# A chain step's bookkeeping as one Triton kernel on the GPU (kernels/chain.py) instead of ~15 torch
+# kernels: SPECDEC_CHAIN_KERNEL=1. Opt-in until it is timed against the torch ops (session 35 checked
+# it on the H200, 29 GPU tests, but its A/B run was cut short). Read at capture: graphs keep what they
+# captured.
+CHAIN_KERNEL = os.environ.get("SPECDEC_CHAIN_KERNEL", "0") == "1"
 # Stamps of what a graph's static inputs hold, unique across every GraphedForward of the process: a
 # staged batch replays only while its graph still holds it (and only on the graphs that staged it).
 _STAMPS = itertools.count(1)
@@ -288,24 +294,20 @@ class GraphedForward(GraphCaptures):
         keep slot -1 (no KV writes)."""
         s = g.batch
         logits = self._model(s, self._kv, self._backend)
-        if pick is None:
-            ids = logits.argmax(-1)
-            tokens.index_copy_(0, at, ids[None])
+        ids = logits.argmax(-1) if pick is None else pick(logits, at)
+        # With CHAIN_KERNEL one kernel on the GPU (kernels/chain.py), else the torch ops.
+        if s.input_ids.is_cuda and CHAIN_KERNEL:
+            from specdec.kernels.chain import advance
         else:
-            ids = pick(logits, at)
-        s.input_ids.copy_(ids)
-        at.add_(1)
-        s.positions.add_(1)
-        s.context_lens.add_(1)
-        s.slot_mapping.copy_(torch.where(s.slot_mapping >= 0, self._table_slots(s, s.positions), s.slot_mapping))
+            advance = advance_reference
+        advance(ids, tokens if pick is None else None, at, s.input_ids, s.positions, s.context_lens,
+                s.slot_mapping, s.block_tables, self.block_size)
 
     def _table_slots(self, s: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
         """The KV slot of each row's position [b] in its block table row of s (on the device, for
         the graphs that move their inputs on); the block index is clamped so that a position past
         the context stays in the table (its slot is never written: no step follows the last)."""
-        block = torch.clamp(positions // self.block_size, max=self.max_blocks - 1)
-        return (s.block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * self.block_size
-                + positions % self.block_size)
+        return table_slots(positions, s.block_tables, self.block_size)
 
     def _chain_buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.zeros(CHAIN_MAX, b, dtype=torch.int64, device=self.device),
@@ -510,6 +512,28 @@ class GraphedForward(GraphCaptures):
 
 
 _STAGED_ONLY = ("positions", "slot_mapping", "query_start_loc", "context_lens", "block_tables")
+
+
+def table_slots(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV slot of each row's position [b] in its block table row [b, max_blocks]; the block
+    index is clamped so that a position past the context stays in the table."""
+    block = torch.clamp(positions // block_size, max=block_tables.shape[1] - 1)
+    return (block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * block_size
+            + positions % block_size)
+
+
+def advance_reference(ids: torch.Tensor, tokens: torch.Tensor | None, at: torch.Tensor,
+                      input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> None:
+    """kernels.chain.advance in torch ops: the CPU path, and what the kernel is tested against."""
+    if tokens is not None:
+        tokens.index_copy_(0, at, ids[None])
+    input_ids.copy_(ids)
+    at.add_(1)
+    positions.add_(1)
+    context_lens.add_(1)
+    slot_mapping.copy_(torch.where(slot_mapping >= 0, table_slots(positions, block_tables, block_size),
+                                   slot_mapping))
 
 
 class GraphSets:

@@ -13,3 +13,11 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; ex
 # a speculative step failed in it; the variant was dropped)
 # call 7 (24 s): gaps.py --launch-variants (the replay() split for plain steps too)
 GAPS_S=200 GAPS_ARGS="--batches 1 8 --steps 16 --launch-variants" OUT=$OUT bash bench/gpu_suite.sh gaps
+# call 9 (70 s): gaps.py --launch-variants with plain steps also without the clock's CUDA events and with gc off
+GAPS_S=200 GAPS_ARGS="--batches 1 8 --steps 16 --launch-variants" OUT=$OUT bash bench/gpu_suite.sh gaps
+# (a start that failed here cost 121 s of the budget)
+# call 10 (121 s): the chain-advance kernel (then on by default): its GPU tests and the graph / engine GPU tests,
+# then gaps.py at b 8 with the kernel (A, cut by its 45 s limit before printing) and without (B)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site
+timeout 90 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rf tests/unit/test_chain_advance.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engines_gpu.py
+cd bench; for side in A B; do k=1; [ $side = B ] && k=0; SPECDEC_CHAIN_KERNEL=$k timeout 45 python3 gaps.py --batches 8 --steps 12; done
