@@ -268,7 +268,8 @@ class _FreeModel:
         return self._zeros[n]
 
 
-def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, seen: dict | None = None) -> float:
+def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, seen: dict | None = None,
+                     ahead: bool = False) -> float | None:
     """Host microseconds of one step through a servicer's step function (pb request -> engine ->
     pb response: conversion, validation, admission, batch preparation, acceptance, results) with
     the model forward replaced by constant logits: the Python a server adds to a step.
@@ -276,13 +277,17 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
     positions). graphed=True: the path a GPU server runs, on tests/helpers' CPU stand-ins for CUDA
     graphs over a model that costs nothing: steps staged into the graphs' static inputs, the
     draft's chains and head graphs, the verify's argmax rows from the graph's output.
-    seen: filled with the timed steps' graph replays and eager forwards (what path they took)."""
+    seen: filled with the timed steps' graph replays and eager forwards (what path they took).
+    ahead (target): each step staged ahead after the one before (TargetEngine.prepare_ahead,
+    --verify-ahead; untimed: the server does it once the answer is out) and the request made the
+    step it expects (each sequence's last next token), so what is timed is the step that takes it;
+    None where the engine has no prepare_ahead (an older commit in loop_ab)."""
     import torch
     from draft_server.servicer import propose
     from specdec.config import EngineConfig
     from specdec.engine.draft import DraftEngine
     from specdec.engine.target import TargetEngine
-    from target_server.servicer import verify
+    from target_server.servicer import expected_next, verify
 
     folder = write_shape_folder(Path(tempfile.mkdtemp(prefix="hostpath-py-")) / "m", PYTHON_SHAPE, dtype="float32")
     config = EngineConfig(model=folder, random_weights=True, max_model_len=4096, num_blocks=4096)
@@ -305,13 +310,17 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
         engine.runner.forward = lambda b, argmax=False: (torch.zeros(b.logits_indices.numel(), dtype=torch.int64)
                                                          if argmax else torch.zeros(b.logits_indices.numel(), vocab))
     step_fn = verify if role == "target" else propose
+    if ahead and (role != "target" or not hasattr(engine, "prepare_ahead")):
+        return None
+    nxt = [TOKEN % vocab] * batch    # (ahead) each sequence's next token: the last answer's
 
     def request(step: int, first: bool):
         ids = pack_ids([5, 6, 7, 8] if first else [TOKEN % vocab])
         if role == "target":
             r = pb.VerifyRequest(step=step)
             for j in range(batch):
-                r.seqs.add(seq_id=j, new_tokens=ids, draft_tokens=b"" if first else pack_ids([0] * GAMMA),
+                r.seqs.add(seq_id=j, new_tokens=pack_ids([nxt[j]]) if ahead and not first else ids,
+                           draft_tokens=b"" if first else pack_ids([0] * GAMMA),
                            sampling=pb.SamplingParams(seed=j), first=first)
         else:
             r = pb.ProposeRequest(step=step)
@@ -324,20 +333,28 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
     for i in range(steps):
         if i % 100 == 0:  # short sequences: release and start them again
             engine.release(range(batch))
-            step_fn(engine, request(i, True))
+            first = request(i, True)
+            response, _ = step_fn(engine, first)
+            if ahead:
+                nxt = [r.next_token for r in response.results]
+                engine.prepare_ahead([(j, t, GAMMA) for j, t in enumerate(nxt)])   # (the prompt step had no drafts)
             continue
         req = request(i, False)
         r0, e0 = engine.graph_replays, engine.eager_forwards
         t0 = time.perf_counter()
         response, _ = step_fn(engine, req)
         samples.append(time.perf_counter() - t0)
+        if ahead:
+            nxt = [r.next_token for r in response.results]
+            engine.prepare_ahead(expected_next(req, response))
         replays += engine.graph_replays - r0
         eager += engine.eager_forwards - e0
         failed = [r.error.message for r in response.results if r.HasField("error")]
         if failed:
             raise RuntimeError(f"{role} step {i} failed: {failed[0]}")
     if seen is not None:
-        seen.update(replays=replays, eager=eager, steps=len(samples))
+        seen.update(replays=replays, eager=eager, steps=len(samples),
+                    **({"ahead_taken": engine.ahead_taken} if ahead else {}))
     return median_us(samples)
 
 
@@ -348,13 +365,14 @@ def loop_rows(batches: list[int], steps: int) -> list[dict]:
              "target_python_us": server_python_us("target", b, steps),
              "draft_python_us": server_python_us("draft", b, steps),
              "target_graphed_us": server_python_us("target", b, steps, graphed=True),
-             "draft_graphed_us": server_python_us("draft", b, steps, graphed=True)} for b in batches]
+             "draft_graphed_us": server_python_us("draft", b, steps, graphed=True),
+             "target_ahead_us": server_python_us("target", b, steps, graphed=True, ahead=True)} for b in batches]
 
 
 # loop_rows' figures, as loop_ab's table names them
 LOOP_FIGURES = {"loop_step_us": "loop", "loop_critical_us": "critical", "target_python_us": "target py",
                 "draft_python_us": "draft py", "target_graphed_us": "target graphed py",
-                "draft_graphed_us": "draft graphed py"}
+                "draft_graphed_us": "draft graphed py", "target_ahead_us": "target staged ahead py"}
 
 
 def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
@@ -471,7 +489,8 @@ def main() -> int:
                        ("target_python_us", "target Python us/step", ".0f"),
                        ("draft_python_us", "draft Python us/step", ".0f"),
                        ("target_graphed_us", "same, graph path", ".0f"),
-                       ("draft_graphed_us", "draft, graph path", ".0f")]))
+                       ("draft_graphed_us", "draft, graph path", ".0f"),
+                       ("target_ahead_us", "target, graph path, staged ahead", ".0f")]))
     print(f"wrote {path}")
     return 0
 

@@ -199,13 +199,14 @@ def local_cluster(target: str | Path, draft: str | Path | None, *, device: str =
                   draft_device: str | None = None, coordinator_port: int | None = None,
                   server_args: Sequence[str] = (), coordinator_args: Sequence[str] = (),
                   log_dir: str | Path | None = None, startup_timeout: float = 180.0,
-                  cpu_threads: int | None = 1) -> Iterator[Cluster]:
+                  cpu_threads: int | None = 1, target_args: Sequence[str] = ()) -> Iterator[Cluster]:
     """Yields the three addresses once all processes answer health checks; stops them on exit.
 
     The two model servers load in parallel; the coordinator starts after them (it checks their
     vocabularies at start-up). cpu_threads: torch/OpenMP threads of a model server on the cpu device
     (None: torch's default). Two servers on one small machine otherwise each spin a thread per core
-    between forwards and slow each other down ~10x."""
+    between forwards and slow each other down ~10x. server_args go to both model servers,
+    target_args to the target's after them."""
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="specdec-"))
@@ -213,7 +214,7 @@ def local_cluster(target: str | Path, draft: str | Path | None, *, device: str =
         log_dir.mkdir(parents=True, exist_ok=True)
         procs: list[Proc] = []
         stack.callback(stop_all, procs)
-        procs.append(spawn_server("target", target, log_dir, device=device, args=server_args,
+        procs.append(spawn_server("target", target, log_dir, device=device, args=[*server_args, *target_args],
                                   cpu_threads=cpu_threads))
         d_proc = None
         if draft is not None:

@@ -231,6 +231,10 @@ class EngineConfig:
     # bound (cuda_graphs.GraphSets: fewer KV splits at short contexts); () only max_model_len's;
     # None: DEFAULT_GRAPH_CONTEXT_LENS (bounds at or over max_model_len are dropped)
     graph_context_lens: tuple[int, ...] | None = None
+    # target: after answering a step, admit and stage the step that usually follows (the same
+    # greedy sequences, each with its next token and as many drafts), so that the next verify skips
+    # that host work when it matches (TargetEngine.prepare_ahead); opt-in until timed on a GPU
+    verify_ahead: bool = False
     random_weights: bool = False      # random weights of config.json's shape, no checkpoint (benchmarks)
     # with random_weights: weights whose greedy next token agrees with a shared reference map on this
     # fraction of the vocabulary (models/synthetic.py; the target 1.0, a draft its α); None: plain

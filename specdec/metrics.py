@@ -97,7 +97,13 @@ SERVER_METRICS = PROCESS_METRICS + (
        "Model forwards by how they ran: path=graph (a CUDA-graph replay) or eager (op by op: on a GPU "
        "a step no graph bucket fits, e.g. a prompt chunk over the largest prefill length, costs "
        "milliseconds of launches)", "role", "path"),
+    _c("specdec_verify_ahead_steps_total",
+       "Target steps staged ahead of their request (--verify-ahead) by what became of them: "
+       "outcome=taken (the next Verify was that step) or dropped (another request came; undone)",
+       "role", "outcome"),
 )
+# specdec_verify_ahead_steps_total's outcomes (TargetEngine.ahead_taken / ahead_dropped)
+AHEAD_OUTCOMES = ("taken", "dropped")
 COORDINATOR_METRICS = PROCESS_METRICS + (
     _c("specdec_draft_tokens_total", "Draft tokens proposed and sent for verification"),
     _c("specdec_accepted_tokens_total", "Draft tokens the target accepted"),
@@ -233,9 +239,12 @@ class ServerMetrics(_ProcessMetrics):
             self._m["specdec_forward_seconds"].labels(role=role, phase=phase)
         self.profile = CostProfile(buckets, ema_weight)
         self.watch_profile(self.profile)
-        self._forwards_seen: dict[str, int] = {}   # the engine's totals already counted, per path
+        self._totals_seen: dict[tuple, int] = {}   # the engine's totals already counted, per series
         for path in ("graph", "eager"):
             self._m["specdec_server_forwards_total"].labels(role=role, path=path)
+        if role == "target":
+            for outcome in AHEAD_OUTCOMES:
+                self._m["specdec_verify_ahead_steps_total"].labels(role=role, outcome=outcome)
 
     def watch_profile(self, profile: CostProfile) -> None:
         """Exports `profile` (its current entries and every later change) as the profile gauge."""
@@ -257,10 +266,20 @@ class ServerMetrics(_ProcessMetrics):
         """The engine's running totals of graph replays and eager forwards (counters move by the
         difference, so a total that only grows is all they need)."""
         for path, total in (("graph", graph), ("eager", eager)):
-            seen = self._forwards_seen.get(path, 0)
-            if total > seen:
-                self._child("specdec_server_forwards_total", role=self.role, path=path).inc(total - seen)
-                self._forwards_seen[path] = total
+            self._advance("specdec_server_forwards_total", total, path=path)
+
+    def set_ahead(self, taken: int, dropped: int) -> None:
+        """The target engine's running totals of steps staged ahead and taken or dropped."""
+        for outcome, total in (("taken", taken), ("dropped", dropped)):
+            self._advance("specdec_verify_ahead_steps_total", total, outcome=outcome)
+
+    def _advance(self, name: str, total: int, **labels: str) -> None:
+        """Counter `name` moved up to an engine's running total (by the difference from the last)."""
+        key = (name, *labels.values())
+        seen = self._totals_seen.get(key, 0)
+        if total > seen:
+            self._child(name, role=self.role, **labels).inc(total - seen)
+            self._totals_seen[key] = total
 
 
 class CoordinatorMetrics(_ProcessMetrics):

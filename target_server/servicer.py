@@ -20,6 +20,19 @@ def verify(engine, request: pb.VerifyRequest) -> tuple[pb.VerifyResponse, object
     return pb.VerifyResponse(step=request.step, results=results), step
 
 
+def expected_next(request: pb.VerifyRequest, response: pb.VerifyResponse) -> list[tuple[int, int, int]]:
+    """The step that usually follows an answered one, for TargetEngine.prepare_ahead: per sequence
+    (seq_id, the target's next token, as many drafts as this step had); none when any sequence
+    failed, was a partial prefill or samples (the next step's prompt chunk or draft weights are
+    not known ahead)."""
+    out = []
+    for s, r in zip(request.seqs, response.results):
+        if r.HasField("error") or s.partial_prefill or r.next_token < 0 or s.sampling.temperature > 0:
+            return []
+        out.append((s.seq_id, r.next_token, len(s.draft_tokens) // 4))   # int32 ids
+    return out
+
+
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     rpc_name = "Verify"
     request_cls = pb.VerifyRequest
@@ -32,6 +45,14 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
         response, step = verify(self.runtime.engine, request)
         response.timing.CopyFrom(self._finish_timing(step.timing, request, received))
         return response
+
+    def _account(self, request: pb.VerifyRequest, response: pb.VerifyResponse, decode_seconds: float) -> None:
+        super()._account(request, response, decode_seconds)
+        engine = self.runtime.engine
+        if engine.config.verify_ahead and len(response.results) == len(request.seqs):
+            # The answer is out: the next step's admission and staging while the coordinator and
+            # the draft work (after the gauges, which so do not count its reservation).
+            engine.prepare_ahead(expected_next(request, response))
 
     def _observe_forwards(self, request: pb.VerifyRequest, response: pb.VerifyResponse,
                           decode_seconds: float) -> None:

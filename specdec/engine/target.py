@@ -2,6 +2,7 @@
 rejection sampling, and KV rollback to the accepted prefix."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from specdec.sampling.probs import SamplingTensors, resolve_seeds
 from specdec.sampling.rejection import greedy_accept_rows, one_hot_probs, rejection_sample
 from specdec.sampling.transport import SparseWeights, scatter_rows
 from specdec.staging import as_device_tensor, to_device
+from protos.wire import outside_vocab
 from specdec.engine.base import Admission, ModelEngine, log
 from specdec.engine.types import (Code, SeqFailure, StepResult, StepTiming, VerifyOutput,
                                   VerifySeqInput, unknown_seq)
@@ -46,8 +48,33 @@ def _mass_beyond(q, v: int) -> bool:
     return bool(q[:, v:].any())
 
 
+@dataclass
+class _Ahead:
+    """A verify step admitted and staged before its request came (TargetEngine.prepare_ahead):
+    its plans (placeholder drafts), the batch staged for them, and what a request must say to
+    take it: per sequence its id, its one new token and how many drafts."""
+    plans: list[Plan]
+    batch: object                  # the ForwardBatch runner.prepare staged (placeholder draft ids)
+    expect: list[tuple[int, int, int]]
+
+    def matches(self, seqs: Sequence[VerifySeqInput], vocab_size: int) -> bool:
+        """Whether seqs are the predicted step: the same sequences in the same order, each with the
+        predicted token, as many drafts, all in the vocabulary, greedy, nothing else asked."""
+        if len(seqs) != len(self.expect):
+            return False
+        for s, (seq_id, token, k) in zip(seqs, self.expect):
+            if (s.seq_id != seq_id or len(s.new_tokens) != 1 or s.new_tokens[0] != token
+                    or len(s.draft_tokens) != k or s.first or s.partial_prefill or not s.sampling.greedy
+                    or outside_vocab(s.draft_tokens, vocab_size) is not None):
+                return False
+        return True
+
+
 class TargetEngine(ModelEngine):
     verifier: GraphedVerifier | None = None  # sampled rejection steps on CUDA graphs (set at capture)
+    _ahead: _Ahead | None = None             # a step staged ahead of its request (prepare_ahead)
+    ahead_taken = 0                          # verifies that took a step staged ahead
+    ahead_dropped = 0                        # steps staged ahead and undone (another request came)
 
     def graph_query_lens(self) -> tuple[int, ...]:
         # One new token + k drafts; k beyond 8 is rare enough to run eagerly.
@@ -62,15 +89,63 @@ class TargetEngine(ModelEngine):
             log.info("captured %d rejection-sampling graphs (up to %d drafts) in %.1fs",
                      len(self.verifier.graphs), kmax, time.perf_counter() - t0)
 
+    def prepare_ahead(self, expect: Sequence[tuple[int, int, int]]) -> bool:
+        """Admits and stages the step expected next: per (seq_id, next_token, k) the sequence's
+        token and k placeholder drafts (greedy). The next verify takes it when its request is that
+        step (_Ahead.matches: it then skips admission, host arrays and staging, and only puts the
+        drafts' ids in); any other request, a release, or another prepare_ahead undoes it first
+        (the KV cut back to where it was), so a wrong guess costs work but changes nothing.
+        Returns whether a step is staged."""
+        self.drop_ahead()
+        if not expect or self.tp.size > 1:   # (tensor-parallel ranks mirror steps, not this)
+            return False
+        seqs = [VerifySeqInput(seq_id, [token], [0] * k) for seq_id, token, k in expect]
+        plans, errors = self.admit_step(seqs, self._plan)
+        if any(e is not None for e in errors):
+            self.roll_back(p.admission for p in plans)
+            return False
+        try:
+            batch = self.runner.prepare([SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens),
+                                                  p.num_logits) for p in plans])
+        except Exception:
+            self.roll_back(p.admission for p in plans)
+            return False
+        self._ahead = _Ahead(plans, batch, list(expect))
+        return True
+
+    def drop_ahead(self) -> None:
+        """Undoes a step staged by prepare_ahead, if any (its sequences' KV back to before it)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.ahead_dropped += 1
+            self.roll_back(p.admission for p in ahead.plans)
+
+    def release(self, seq_ids) -> int:
+        self.drop_ahead()
+        return super().release(seq_ids)
+
     def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (release or not ahead.matches(seqs, self.vocab_size)):
+            self._ahead = ahead
+            self.drop_ahead()
+            ahead = None
         self.release(release)
-        plans, errors = self.admit_step(seqs, self._plan)
+        if ahead is not None:
+            # The step staged ahead: the same plans (admitted, their KV reserved), now with the
+            # request's sequences, whose drafts replace the placeholders.
+            self.ahead_taken += 1
+            plans, errors = ahead.plans, [None] * len(seqs)
+            for p, s in zip(plans, seqs):
+                p.seq = s
+        else:
+            plans, errors = self.admit_step(seqs, self._plan)
         outputs: list[VerifyOutput | None] = [None if e is None else VerifyOutput(s.seq_id, error=e)
                                               for s, e in zip(seqs, errors)]
         clock = self.clock()
         try:
-            results = self._score(plans, clock)
+            results = self._score(plans, clock, None if ahead is None else ahead.batch)
         except BaseException:
             self.roll_back(p.admission for p in plans)
             raise
@@ -118,8 +193,9 @@ class TargetEngine(ModelEngine):
         self.check_length(start + len(seq.new_tokens) + k + emitted, "new_tokens + draft_tokens")
         return Plan(index, seq, start)
 
-    def _score(self, plans: list[Plan], clock) -> list[tuple[int, int]]:
-        """The forward and the rejection sampler; (accepted, next_token) per plan."""
+    def _score(self, plans: list[Plan], clock, staged=None) -> list[tuple[int, int]]:
+        """The forward and the rejection sampler; (accepted, next_token) per plan. staged: the
+        batch prepare_ahead staged for these plans (all greedy), whose ids are replaced by theirs."""
         if not plans:
             return []
         items = [SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens), p.num_logits)
@@ -132,7 +208,11 @@ class TargetEngine(ModelEngine):
         greedy = all(p.seq.sampling.greedy for p in sp)
         with clock.forward():
             # [sum(k+1), V] (greedy: [sum(k+1)]): the scored plans' rows in order (the others have none)
-            flat = self.runner.step_flat(items, argmax=greedy)
+            if staged is None:
+                flat = self.runner.step_flat(items, argmax=greedy)
+            else:
+                ids = as_device_tensor([t for item in items for t in item.token_ids], torch.int64, self.device)
+                flat = self.runner.forward(dataclasses.replace(staged, input_ids=ids), argmax=greedy)
         results = [(0, -1)] * len(plans)
         if not scored:
             return results

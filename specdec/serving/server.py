@@ -84,6 +84,8 @@ class EngineRuntime:
         self.metrics.set_kv(used=blocks.num_blocks - blocks.num_free, free=blocks.num_free)
         self.metrics.set_running(self.engine.num_sequences())
         self.metrics.set_forwards(graph=self.engine.graph_replays, eager=self.engine.eager_forwards)
+        if self.metrics.role == "target":
+            self.metrics.set_ahead(taken=self.engine.ahead_taken, dropped=self.engine.ahead_dropped)
 
     async def call(self, fn: Callable, *args, inline: bool = False):
         """fn(*args) once no other engine call runs: on the executor thread, or with `inline` on
@@ -139,6 +141,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                        help="precision of draft probabilities on the wire")
     p.add_argument("--warmup-batch-sizes", help="comma-separated batch sizes of the startup profile "
                                                 "(default 1,2,4,8,16,32 on cuda, 1,2 on cpu)")
+    if role == "target":
+        p.add_argument("--verify-ahead", action="store_true",
+                       help="after answering a step, admit and stage the step that usually follows "
+                            "(the same greedy sequences, each with its next token and as many drafts) "
+                            "while the coordinator and the draft work; the next Verify skips that host "
+                            "work when it is that step (TargetEngine.prepare_ahead; default off)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights of the shape in the model folder's config.json (benchmarks: "
                         "no checkpoint needed)")
@@ -231,6 +239,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                                 else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
             gemv_kernels=a.gemv_kernels, pdl=a.pdl, blas=a.blas, tensor_parallel_size=a.tensor_parallel_size,
+            verify_ahead=getattr(a, "verify_ahead", False),
             tp_all_reduce=a.tp_all_reduce)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms,

@@ -16,12 +16,13 @@ from tests.helpers.tiny_models import make_pair
 
 
 @contextlib.contextmanager
-def tiny_cluster(root: Path, *, server_args: Sequence[str] = (),
-                 coordinator_args: Sequence[str] = ()) -> Iterator[Cluster]:
+def tiny_cluster(root: Path, *, server_args: Sequence[str] = (), coordinator_args: Sequence[str] = (),
+                 target_args: Sequence[str] = ()) -> Iterator[Cluster]:
     target, draft = make_pair(root)
     with local_cluster(target, draft, device="cpu", log_dir=root / "logs",
                        server_args=["--warmup-batch-sizes", "1", *server_args],
-                       coordinator_args=coordinator_args, startup_timeout=120) as cluster:
+                       coordinator_args=coordinator_args, startup_timeout=120,
+                       target_args=target_args) as cluster:
         yield cluster
 
 

@@ -327,6 +327,8 @@ def test_server_metrics_forward_profile_and_kv():
     sm.set_kv(used=10, free=90)
     sm.set_forwards(graph=5, eager=2)
     sm.set_forwards(graph=7, eager=2)   # running totals: the counters move by the difference
+    sm.set_ahead(taken=0, dropped=1)
+    sm.set_ahead(taken=4, dropped=1)
     sm.set_running(3)
     sm.observe_rpc("Verify", 0.01)
     sm.count_error("INVALID_ARGUMENT")
@@ -341,6 +343,8 @@ def test_server_metrics_forward_profile_and_kv():
     assert value(s, "specdec_kv_blocks_free", role="target") == 90
     assert value(s, "specdec_server_forwards_total", role="target", path="graph") == 7
     assert value(s, "specdec_server_forwards_total", role="target", path="eager") == 2
+    assert value(s, "specdec_verify_ahead_steps_total", role="target", outcome="taken") == 4
+    assert value(s, "specdec_verify_ahead_steps_total", role="target", outcome="dropped") == 1
     assert value(s, "specdec_running_sequences", role="target") == 3
     assert value(s, "specdec_rpc_seconds_count", role="target", rpc="Verify") == 1
     assert value(s, "specdec_errors_total", role="target", code="INVALID_ARGUMENT") == 1
