@@ -287,7 +287,12 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
     from specdec.config import EngineConfig
     from specdec.engine.draft import DraftEngine
     from specdec.engine.target import TargetEngine
-    from target_server.servicer import expected_next, verify
+    from target_server.servicer import verify
+    if ahead:
+        try:
+            from target_server.servicer import expected_next
+        except ImportError:   # a commit before --verify-ahead (loop_ab's baseline)
+            return None
 
     folder = write_shape_folder(Path(tempfile.mkdtemp(prefix="hostpath-py-")) / "m", PYTHON_SHAPE, dtype="float32")
     config = EngineConfig(model=folder, random_weights=True, max_model_len=4096, num_blocks=4096)
@@ -402,6 +407,8 @@ def loop_ab(baseline: str, batches: list[int], steps: int, passes: int) -> int:
     for j, b in enumerate(batches):
         row = {"batch": b}
         for key in LOOP_FIGURES:
+            if any(r[j].get(key) is None for side in ("A", "B") for r in runs[side]):
+                continue   # a figure one side's code cannot give (the table shows "-")
             for side in ("A", "B"):
                 vals = [r[j][key] for r in runs[side]]
                 row[f"{key}_{side.lower()}_values"] = vals

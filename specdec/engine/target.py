@@ -56,6 +56,7 @@ class _Ahead:
     plans: list[Plan]
     batch: object                  # the ForwardBatch runner.prepare staged (placeholder draft ids)
     expect: list[tuple[int, int, int]]
+    free_before: int               # KV blocks free before the staging reserved its slots
 
     def matches(self, seqs: Sequence[VerifySeqInput], vocab_size: int) -> bool:
         """Whether seqs are the predicted step: the same sequences in the same order, each with the
@@ -95,10 +96,13 @@ class TargetEngine(ModelEngine):
         step (_Ahead.matches: it then skips admission, host arrays and staging, and only puts the
         drafts' ids in); any other request, a release, or another prepare_ahead undoes it first
         (the KV cut back to where it was), so a wrong guess costs work but changes nothing.
-        Returns whether a step is staged."""
+        Returns whether a step is staged. (A step that takes it times its forward without the
+        staging, which the other steps' timed span holds: on a GPU the live profile of those
+        shapes moves toward the forward's own time.)"""
         self.drop_ahead()
         if not expect or self.tp.size > 1:   # (tensor-parallel ranks mirror steps, not this)
             return False
+        free = self.num_free_blocks
         seqs = [VerifySeqInput(seq_id, [token], [0] * k) for seq_id, token, k in expect]
         plans, errors = self.admit_step(seqs, self._plan)
         if any(e is not None for e in errors):
@@ -110,8 +114,28 @@ class TargetEngine(ModelEngine):
         except Exception:
             self.roll_back(p.admission for p in plans)
             return False
-        self._ahead = _Ahead(plans, batch, list(expect))
+        self._ahead = _Ahead(plans, batch, list(expect), free)
         return True
+
+    def _still_staged(self, ahead: _Ahead) -> bool:
+        """Whether the graph still holds what prepare_ahead staged (nothing else staged on its
+        bucket since: the servers stage only in steps, which take or drop it first; a runner used
+        directly in between would overwrite it)."""
+        if self.runner.graphs is None or ahead.batch.graph_key is None:
+            return True
+        try:
+            self.runner.graphs.staged_graph(ahead.batch)
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    def info(self):
+        # A staged step's reservation is not the sequences' yet: free as before it (the KV gauge,
+        # published before the staging, says the same).
+        info = super().info()
+        if self._ahead is not None:
+            info = dataclasses.replace(info, kv_blocks_free=self._ahead.free_before)
+        return info
 
     def drop_ahead(self) -> None:
         """Undoes a step staged by prepare_ahead, if any (its sequences' KV back to before it)."""
@@ -127,7 +151,8 @@ class TargetEngine(ModelEngine):
     def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and (release or not ahead.matches(seqs, self.vocab_size)):
+        if ahead is not None and (release or not ahead.matches(seqs, self.vocab_size)
+                                  or not self._still_staged(ahead)):
             self._ahead = ahead
             self.drop_ahead()
             ahead = None
@@ -135,7 +160,6 @@ class TargetEngine(ModelEngine):
         if ahead is not None:
             # The step staged ahead: the same plans (admitted, their KV reserved), now with the
             # request's sequences, whose drafts replace the placeholders.
-            self.ahead_taken += 1
             plans, errors = ahead.plans, [None] * len(seqs)
             for p, s in zip(plans, seqs):
                 p.seq = s
@@ -149,6 +173,8 @@ class TargetEngine(ModelEngine):
         except BaseException:
             self.roll_back(p.admission for p in plans)
             raise
+        if ahead is not None:
+            self.ahead_taken += 1
         for plan, (accepted, next_token) in zip(plans, results):
             # The KV keeps the accepted drafts; next_token comes back as next step's new_tokens.
             self.runner.truncate(plan.seq.seq_id, plan.first_draft_position + accepted)
