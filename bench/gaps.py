@@ -176,24 +176,31 @@ def launch_split_steps(step, steps: int, names: dict[int, str]) -> list[dict]:
     by idle / busy stream, and us a step (medians over the steps). Where a step's host time in
     cuda.launch goes, graph by graph (gaps' host split has it as one sum)."""
     calls: list[tuple[str, bool, float]] = []
-    original = torch.cuda.CUDAGraph.replay
 
-    def timed(graph):
+    def timed(replay, graph):
         busy = not torch.cuda.current_stream().query()
         t0 = time.perf_counter()
-        original(graph)
+        replay(graph)
         calls.append((names.get(id(graph), "?"), busy, time.perf_counter() - t0))
 
     per: list[list[tuple[str, bool, float]]] = []
-    torch.cuda.CUDAGraph.replay = timed
-    try:
+    with replays_through(timed):
         for _ in range(steps):
             step()
             per.append(calls[:])
             calls.clear()
+    return launch_rows(per)
+
+
+@contextlib.contextmanager
+def replays_through(fn):
+    """Every CUDAGraph.replay() of the block goes through fn(replay, graph), which calls replay(graph)."""
+    original = torch.cuda.CUDAGraph.replay
+    torch.cuda.CUDAGraph.replay = lambda graph: fn(original, graph)
+    try:
+        yield
     finally:
         torch.cuda.CUDAGraph.replay = original
-    return launch_rows(per)
 
 
 @contextlib.contextmanager
@@ -255,7 +262,6 @@ def event_timeline_steps(loop, steps: int, names: dict[int, str]) -> list[dict]:
     draft does before its first launch), or a launch's exposure plus the graph's device time
     (replay> -> replay<), or queued device time (replay< -> replay<). Per segment (label of its
     two ends, in step order): median us over the steps. Adds ~3 us of host time per event."""
-    import importlib
     stream = torch.cuda.current_stream()
     marks: list[tuple[str, torch.cuda.Event]] = []
 
@@ -264,43 +270,29 @@ def event_timeline_steps(loop, steps: int, names: dict[int, str]) -> list[dict]:
         e.record(stream)
         marks.append((label, e))
 
-    original = torch.cuda.CUDAGraph.replay
+    @contextlib.contextmanager
+    def marked(label: str):
+        mark(f"{label}>")
+        yield
+        mark(f"{label}<")
 
-    def timed(graph):
+    def timed(replay, graph):
         name = names.get(id(graph), "?")
         mark(f"replay> {name}")
-        original(graph)
+        replay(graph)
         mark(f"replay< {name}")
 
-    def around(fn, label):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            mark(f"{label}>")
-            out = fn(*args, **kwargs)
-            mark(f"{label}<")
-            return out
-        return inner
-
-    engines = [(importlib.import_module("specdec.engine.draft").DraftEngine, "propose"),
-               (importlib.import_module("specdec.engine.target").TargetEngine, "verify")]
-    saved = [(cls, m, cls.__dict__[m]) for cls, m in engines]
+    calls = [("propose", "specdec.engine.draft", "DraftEngine", "propose"),
+             ("verify", "specdec.engine.target", "TargetEngine", "verify")]
     per: list[list[tuple[str, float]]] = []
-    torch.cuda.CUDAGraph.replay = timed
-    for cls, m, fn in saved:
-        setattr(cls, m, around(fn, m))
-    try:
+    with replays_through(timed), wrapped(calls, scope=marked):
         for _ in range(steps):
-            mark("step>")
-            loop.spec()
-            mark("step<")
+            with marked("step"):
+                loop.spec()
             marks[-1][1].synchronize()
             t0 = marks[0][1]
             per.append([(label, 1e3 * t0.elapsed_time(e)) for label, e in marks])
             marks.clear()
-    finally:
-        torch.cuda.CUDAGraph.replay = original
-        for cls, m, fn in saved:
-            setattr(cls, m, fn)
     return segments(per)
 
 

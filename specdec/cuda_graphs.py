@@ -290,7 +290,7 @@ class GraphedForward(GraphCaptures):
     def _chain_step(self, g: _Graph, tokens: torch.Tensor, at: torch.Tensor, pick=None) -> None:
         """What a chain graph runs: the forward of bucket (b, 1), each row's token into tokens[at]
         (the argmax, or pick(logits, at), which writes them and returns them), and the static inputs
-        advanced to the next position (slots from the block tables, _table_slots). Padding rows
+        advanced to the next position (slots from the block tables, table_slots). Padding rows
         keep slot -1 (no KV writes)."""
         s = g.batch
         logits = self._model(s, self._kv, self._backend)
@@ -302,12 +302,6 @@ class GraphedForward(GraphCaptures):
             advance = advance_reference
         advance(ids, tokens if pick is None else None, at, s.input_ids, s.positions, s.context_lens,
                 s.slot_mapping, s.block_tables, self.block_size)
-
-    def _table_slots(self, s: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
-        """The KV slot of each row's position [b] in its block table row of s (on the device, for
-        the graphs that move their inputs on); the block index is clamped so that a position past
-        the context stays in the table (its slot is never written: no step follows the last)."""
-        return table_slots(positions, s.block_tables, self.block_size)
 
     def _chain_buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.zeros(CHAIN_MAX, b, dtype=torch.int64, device=self.device),
@@ -346,7 +340,7 @@ class GraphedForward(GraphCaptures):
         s1.context_lens.copy_(s2.context_lens + 1)
         s1.block_tables.copy_(s2.block_tables)
         s1.query_start_loc[1:].copy_(fed.cumsum(0))               # [0] is 0 in every staged batch
-        slot = self._table_slots(s1, positions)
+        slot = table_slots(positions, s1.block_tables, self.block_size)
         s1.slot_mapping.copy_(torch.where(fed, slot, torch.full_like(slot, -1)))
 
     @torch.inference_mode()
@@ -515,8 +509,10 @@ _STAGED_ONLY = ("positions", "slot_mapping", "query_start_loc", "context_lens", 
 
 
 def table_slots(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The KV slot of each row's position [b] in its block table row [b, max_blocks]; the block
-    index is clamped so that a position past the context stays in the table."""
+    """The KV slot of each row's position [b] in its block table row [b, max_blocks] (on the
+    device, for the graphs that move their inputs on); the block index is clamped so that a
+    position past the context stays in the table (its slot is never written: no step follows the
+    last)."""
     block = torch.clamp(positions // block_size, max=block_tables.shape[1] - 1)
     return (block_tables.gather(1, block[:, None]).squeeze(1).to(torch.int64) * block_size
             + positions % block_size)

@@ -109,8 +109,7 @@ class TargetEngine(ModelEngine):
             self.roll_back(p.admission for p in plans)
             return False
         try:
-            batch = self.runner.prepare([SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens),
-                                                  p.num_logits) for p in plans])
+            batch = self.runner.prepare(self._items(plans))
         except Exception:
             self.roll_back(p.admission for p in plans)
             return False
@@ -141,8 +140,11 @@ class TargetEngine(ModelEngine):
         """Undoes a step staged by prepare_ahead, if any (its sequences' KV back to before it)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            self.ahead_dropped += 1
-            self.roll_back(p.admission for p in ahead.plans)
+            self._undo(ahead)
+
+    def _undo(self, ahead: _Ahead) -> None:
+        self.ahead_dropped += 1
+        self.roll_back(p.admission for p in ahead.plans)
 
     def release(self, seq_ids) -> int:
         self.drop_ahead()
@@ -153,8 +155,7 @@ class TargetEngine(ModelEngine):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and (release or not ahead.matches(seqs, self.vocab_size)
                                   or not self._still_staged(ahead)):
-            self._ahead = ahead
-            self.drop_ahead()
+            self._undo(ahead)
             ahead = None
         self.release(release)
         if ahead is not None:
@@ -224,8 +225,7 @@ class TargetEngine(ModelEngine):
         batch prepare_ahead staged for these plans (all greedy), whose ids are replaced by theirs."""
         if not plans:
             return []
-        items = [SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens), p.num_logits)
-                 for p in plans]
+        items = self._items(plans)
         scored = [i for i, p in enumerate(plans) if p.num_logits]
         sp = [plans[i] for i in scored]
         # All greedy: rejection_sample's result is the argmax of every row, compared with the
@@ -261,6 +261,12 @@ class TargetEngine(ModelEngine):
         for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
             results[i] = (accepted, tokens[-1])
         return results
+
+    @staticmethod
+    def _items(plans: list[Plan]) -> list[SeqInput]:
+        """The forward's items: each plan's new tokens and drafts, with its logit rows."""
+        return [SeqInput(p.seq.seq_id, list(p.seq.new_tokens) + list(p.seq.draft_tokens), p.num_logits)
+                for p in plans]
 
     def _draft_probs(self, plans: list[Plan]) -> torch.Tensor | None:
         """Flat [sum k, V] draft weights, or None when every draft was deterministic. Greedy

@@ -34,7 +34,7 @@ def _advance_kernel(Ids, Tokens, At, InputIds, Positions, ContextLens, Slots, Ta
     ctx = tl.load(ContextLens + rows, mask=mask, other=0) + 1
     tl.store(ContextLens + rows, ctx, mask=mask)
     # The next position's slot from the row's block table; the block index is clamped so that a
-    # position past the context stays in the table (_table_slots). Padding rows keep slot -1.
+    # position past the context stays in the table (cuda_graphs.table_slots). Padding rows keep slot -1.
     slot = tl.load(Slots + rows, mask=mask, other=-1)
     block = tl.minimum(pos // block_size, max_blocks - 1)
     entry = tl.load(Tables + rows.to(tl.int64) * max_blocks + block, mask=mask & (slot >= 0), other=0)
