@@ -58,10 +58,10 @@ from specdec.staging import PackedBuffer, Rows, inference
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_MAX = 16  # most steps one chain runs (a draft step's k - 1)
 # A chain step's bookkeeping as one Triton kernel on the GPU (kernels/chain.py) instead of ~15 torch
-# kernels: SPECDEC_CHAIN_KERNEL=1. Opt-in until it is timed against the torch ops (session 35 checked
-# it on the H200, 29 GPU tests, but its A/B run was cut short). Read at capture: graphs keep what they
-# captured.
-CHAIN_KERNEL = os.environ.get("SPECDEC_CHAIN_KERNEL", "0") == "1"
+# kernels; SPECDEC_CHAIN_KERNEL=0 takes the torch ops. On by default since session 36 (H200, 7B + 68m,
+# e2e A/B in both orders: speculative tok/s +1-9% at b 8, +1-3% at b 1). Read at capture: graphs
+# keep what they captured.
+CHAIN_KERNEL = os.environ.get("SPECDEC_CHAIN_KERNEL", "1") != "0"
 # Stamps of what a graph's static inputs hold, unique across every GraphedForward of the process: a
 # staged batch replays only while its graph still holds it (and only on the graphs that staged it).
 _STAMPS = itertools.count(1)

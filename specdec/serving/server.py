@@ -142,11 +142,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup-batch-sizes", help="comma-separated batch sizes of the startup profile "
                                                 "(default 1,2,4,8,16,32 on cuda, 1,2 on cpu)")
     if role == "target":
-        p.add_argument("--verify-ahead", action="store_true",
+        p.add_argument("--verify-ahead", action=argparse.BooleanOptionalAction, default=None,
                        help="after answering a step, admit and stage the step that usually follows "
                             "(the same greedy sequences, each with its next token and as many drafts) "
                             "while the coordinator and the draft work; the next Verify skips that host "
-                            "work when it is that step (TargetEngine.prepare_ahead; default off)")
+                            "work when it is that step (TargetEngine.prepare_ahead; default: on for "
+                            "cuda, off for cpu)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights of the shape in the model folder's config.json (benchmarks: "
                         "no checkpoint needed)")
@@ -239,7 +240,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
                                 else _ints(a.graph_prefill_lens, "--graph-prefill-lens")),
             random_weights=a.random_weights, random_agreement=a.random_agreement,
             gemv_kernels=a.gemv_kernels, pdl=a.pdl, blas=a.blas, tensor_parallel_size=a.tensor_parallel_size,
-            verify_ahead=getattr(a, "verify_ahead", False),
+            verify_ahead=(cuda if getattr(a, "verify_ahead", None) is None else a.verify_ahead),
             tp_all_reduce=a.tp_all_reduce)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms,

@@ -32,6 +32,19 @@ def test_flags_reach_the_engine_config():
     assert config_from_args("target", prefill + ["none"])[0].engine.graph_prefill_lens == ()
 
 
+@pytest.mark.parametrize("argv, on", [(["--device", "cuda"], True), (["--device", "cuda:1"], True),
+                                      ([], False), (["--device", "cuda", "--no-verify-ahead"], False),
+                                      (["--verify-ahead"], True)])
+def test_targets_stage_steps_ahead_on_cuda_unless_told(argv, on):
+    assert config_from_args("target", ["--model", "m", *argv])[0].engine.verify_ahead is on
+
+
+def test_drafts_have_no_verify_ahead_flag(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args("draft", ["--model", "m", "--verify-ahead"])
+    assert "--verify-ahead" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag, value", [("--graph-query-lens", "1,x"), ("--graph-batch-sizes", "0,2"),
                                          ("--graph-prefill-lens", "16,0")])
 def test_bad_values_exit_with_usage(flag, value, capsys):

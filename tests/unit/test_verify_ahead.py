@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from protos import specdec_pb2 as pb
 from protos.wire import pack_ids
@@ -30,7 +31,13 @@ def target_path(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("pair"))[0]
 
 
-def _engine(path, graphed: bool) -> TargetEngine:
+def _engine(path, graphed) -> TargetEngine:
+    if graphed == "cuda":   # real CUDA graphs and Triton kernels, fp32: the bits of eager steps
+        engine = TargetEngine(EngineConfig(model=path, device="cuda", dtype=torch.float32, block_size=4,
+                                           num_blocks=64, warmup_batch_sizes=(1, 2, 4)))
+        engine.warm_up()
+        assert engine.runner.graphs is not None
+        return engine
     engine = TargetEngine(EngineConfig(model=path, block_size=4, num_blocks=64, warmup_batch_sizes=(1,)))
     if graphed:
         # (the Triton backend under the interpreter: its KV store skips a bucket's padding slots)
@@ -40,10 +47,10 @@ def _engine(path, graphed: bool) -> TargetEngine:
     return engine
 
 
-def _continuations(path, n: int = 120) -> dict[int, list[int]]:
-    """Each prompt's greedy continuation (plain steps on an engine of its own): drafts made from it
-    are accepted up to the first one changed."""
-    engine = _engine(path, graphed=False)
+def _continuations(path, n: int = 120, graphed=False) -> dict[int, list[int]]:
+    """Each prompt's greedy continuation (plain steps on an engine of its own, on the CPU or, for
+    "cuda", on the GPU): drafts made from it are accepted up to the first one changed."""
+    engine = _engine(path, graphed=graphed if graphed == "cuda" else False)
     out = {}
     for seq_id, prompt in [*PROMPTS.items(), JOIN]:
         tokens = [engine.verify([VerifySeqInput(seq_id, prompt, first=True)]).outputs[0].next_token]
@@ -58,9 +65,13 @@ def _kv(engine: TargetEngine) -> dict:
     return {s: engine.runner.num_tokens(s) for s in engine.runner.blocks.seq_ids()}
 
 
-@pytest.mark.parametrize("graphed", [False, True])
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA-graph case needs a GPU")])
+
+
+@pytest.mark.parametrize("graphed", [False, True, CUDA])
 def test_steps_staged_ahead_answer_as_steps_that_were_not(target_path, graphed):
-    cont = _continuations(target_path)
+    cont = _continuations(target_path, graphed=graphed)
     ref, ahead = _engine(target_path, graphed), _engine(target_path, graphed)
     rng = random.Random(5)
     emitted: dict[int, int] = {}      # tokens of the continuation emitted so far, per sequence
@@ -165,7 +176,7 @@ def test_a_step_staged_ahead_that_does_not_fit_stages_nothing(target_path):
     assert engine.num_free_blocks == engine.runner.blocks.num_blocks and engine.ahead_dropped == 1
 
 
-@pytest.mark.parametrize("graphed", [False, True])
+@pytest.mark.parametrize("graphed", [False, True, CUDA])
 def test_a_request_that_releases_a_staged_sequence_does_not_take_the_step(target_path, graphed):
     # The step staged for sequence 1 is the request's, but the request releases 1 first: as on an
     # engine that staged nothing, 1 is then unknown (NOT_FOUND) and nothing stays behind.
