@@ -47,6 +47,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -462,6 +463,14 @@ class GraphedForward(GraphCaptures):
                              "are the graph's static inputs as staged")
         return g
 
+    def put_ids(self, batch: ForwardBatch, ids: Sequence[int]) -> None:
+        """Replaces a staged batch's token ids in its graph's static inputs (one copy of just the
+        ids; positions, slots and tables stay as staged): the batch then replays with them."""
+        g = self.staged_graph(batch)
+        if len(ids) != batch.input_ids.numel():
+            raise ValueError(f"put_ids: {len(ids)} ids for a staged batch of {batch.input_ids.numel()} tokens")
+        g.packed.put(0, ids)
+
     def _staged(self, staged: ForwardBatch | StagedKey) -> tuple[_Graph, int, int, int]:
         """(graph, b, q, sequences) of what a chain runs from: a staged batch (staged_graph's
         checks) or a StagedKey, refused as staged_graph refuses a batch once its graph's inputs
@@ -619,6 +628,9 @@ class GraphSets:
 
     def staged_graph(self, batch: ForwardBatch) -> _Graph:
         return self._holder(batch).staged_graph(batch)
+
+    def put_ids(self, batch: ForwardBatch, ids) -> None:
+        self._holder(batch).put_ids(batch, ids)
 
     def chain(self, batch: ForwardBatch | StagedKey, first_ids, steps: int, sampled: bool = False,
               start: int = 0) -> torch.Tensor:

@@ -242,6 +242,22 @@ class PackedBuffer:
             self.ring.copied(turn, torch.cuda.Event, current_stream(self.buffer.device))
         return self.views
 
+    @inference
+    def put(self, slot: int, values: Sequence[int]) -> torch.Tensor:
+        """Overwrites the first len(values) entries of one slot and nothing else, in one copy of
+        just those bytes (a staged step whose ids alone change: TargetEngine's step staged ahead).
+        The rest of the buffer keeps what the last fill left. Returns the slot's view."""
+        off, n, code, size = self._slots[slot]
+        if len(values) > n:
+            raise ValueError(f"PackedBuffer.put: {len(values)} values for slot {slot} of {n}")
+        turn = self.ring.take()
+        self._typed_views(turn)[slot][:len(values)] = array(code, values)
+        end = off + len(values) * size
+        self.buffer[off:end].copy_(self.ring.hosts[turn][off:end], non_blocking=self._cuda)
+        if self._cuda:
+            self.ring.copied(turn, torch.cuda.Event, current_stream(self.buffer.device))
+        return self.views[slot]
+
     def _refuse(self, arrays: Sequence, pads: Sequence | None):
         raise ValueError(f"PackedBuffer.fill: lengths {[len(a) for a in arrays]}, "
                          f"layout {[n for n, _ in self.layout]}"

@@ -237,8 +237,12 @@ class TargetEngine(ModelEngine):
             if staged is None:
                 flat = self.runner.step_flat(items, argmax=greedy)
             else:
-                ids = as_device_tensor([t for item in items for t in item.token_ids], torch.int64, self.device)
-                flat = self.runner.forward(dataclasses.replace(staged, input_ids=ids), argmax=greedy)
+                ids = [t for item in items for t in item.token_ids]
+                if staged.graph_key is not None:   # on a graph: its input ids rewritten in place
+                    self.runner.graphs.put_ids(staged, ids)
+                else:
+                    staged = dataclasses.replace(staged, input_ids=as_device_tensor(ids, torch.int64, self.device))
+                flat = self.runner.forward(staged, argmax=greedy)
         results = [(0, -1)] * len(plans)
         if not scored:
             return results

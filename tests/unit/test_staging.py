@@ -110,6 +110,28 @@ def test_packed_buffer_pads_short_arrays_and_rows_with_each_slots_pad(device):
         buf.fill([[1] * 4, [1] * 3, Rows([[1, 2, 3, 4]], 3), [1.0, 1.0]], pads=(0, 0, 0, None))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_buffer_put_rewrites_one_slots_head_and_nothing_else(device):
+    """put(slot, values): the slot's first len(values) entries change, the rest of the slot and
+    every other slot keep what the last fill wrote, also when the ring's next host buffer holds an
+    older fill's bytes; the views stay where they were."""
+    layout = [(4, torch.int64), (3, torch.int32), (2, torch.int64)]
+    buf = PackedBuffer(layout, device)
+    ptrs = [v.data_ptr() for v in buf.views]
+    buf.ring.limit = 2
+    buf.fill([[1, 2, 3, 4], [5, 6, 7], [8, 9]])
+    buf.fill([[10, 20, 30, 40], [50, 60, 70], [80, 90]])   # the last fill
+    view = buf.put(0, [-7, 2**40])
+    assert view.data_ptr() == ptrs[0]
+    assert [v.tolist() for v in buf.views] == [[-7, 2**40, 30, 40], [50, 60, 70], [80, 90]]
+    buf.put(1, [11, 12, 13])
+    buf.put(2, [])
+    assert [v.tolist() for v in buf.views] == [[-7, 2**40, 30, 40], [11, 12, 13], [80, 90]]
+    assert [v.data_ptr() for v in buf.views] == ptrs
+    with pytest.raises(ValueError, match="put"):
+        buf.put(2, [1, 2, 3])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on the device machine)")
 def test_current_stream_follows_the_stream_context():

@@ -13,3 +13,7 @@ E2E_AB_S=270 E2E_AB_ARGS="--passes 2 --a-env SPECDEC_CHAIN_KERNEL=1 --pass-timeo
 # whole e2e (results/e2e.json, e2e_call4.log)
 TESTS_S=240 OUT=$OUT bash bench/gpu_suite.sh tests
 E2E_S=300 E2E_DEADLINE=280 OUT=$OUT bash bench/gpu_suite.sh e2e
+# call 5 (100 s): the verify-ahead fast path on put_ids (PackedBuffer.put: the staged step's ids in one small
+# copy): the GPU cases of test_verify_ahead.py, test_staging.py, tests/gpu/test_services_gpu.py and
+# test_engines_gpu.py, 28 passed, 1 skipped (tests_call5.log)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rf tests/unit/test_verify_ahead.py tests/unit/test_staging.py tests/gpu/test_services_gpu.py tests/gpu/test_engines_gpu.py
