@@ -43,3 +43,26 @@ def test_seeded_sampled_requests_stay_reproducible(cluster):
                      temperature=0.8, seed=11) for _ in range(2)]
     assert runs[0] == runs[1] and all(len(o) > 0 for o in runs[0])
     assert all_free(wait_kv_free(cluster))
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    with tiny_cluster(tmp_path_factory.mktemp("ahead-pipeline"), target_args=["--verify-ahead"],
+                      coordinator_args=["--max-batch-size", "8", "--num-draft", "4",
+                                        "--prefill-chunk", "64", "--pipeline"]) as c:
+        yield c
+
+
+def test_pipelined_steps_beside_steps_staged_ahead(pipelined):
+    """--pipeline (the default where the draft has a GPU of its own) with --verify-ahead (the
+    default on a GPU target): a Verify of a pipelined extension is checked against the staged
+    guess like any other, so greedy output still equals plain decoding and no block is left."""
+    from tests.integration.test_pipeline_services import metric
+    plain = run_many(pipelined.coordinator, PROMPTS, 8, max_new_tokens=MAX_NEW, speculate=False)
+    staged = ahead_steps(pipelined, "taken") + ahead_steps(pipelined, "dropped")
+    piped = metric(pipelined, "specdec_pipelined_steps_total")
+    spec = run_many(pipelined.coordinator, PROMPTS, 8, max_new_tokens=MAX_NEW, num_draft=4)
+    assert spec == plain and all(len(o) > 0 for o in spec)
+    assert metric(pipelined, "specdec_pipelined_steps_total") > piped
+    assert ahead_steps(pipelined, "taken") + ahead_steps(pipelined, "dropped") > staged
+    assert all_free(wait_kv_free(pipelined))
