@@ -53,7 +53,7 @@ from coordinator.launch import spawn_server, stop_all, wait_healthy  # noqa: E40
 from services import (REPLAY_PROFILE, DEMO_DRAFT, DEMO_TARGET, code_prompts, coordinator,  # noqa: E402
                       decode_profile, graphs_captured, has_weights, leviathan_alpha, profile_at,
                       run_concurrent, steady_occupancy, steady_tok_s, summarize, write_shape_folder)
-from specdec.metrics import SERVER_STEP_PARTS, STAGES, histogram_mean, sample_total  # noqa: E402
+from specdec.metrics import SERVER_STEP_PARTS, STAGES, histogram_mean, sample_total, scrape  # noqa: E402
 
 SEVEN_B_DRAFTS = ("llama-68m", "llama-160m", "tinyllama-1.1b")
 # Smoke stand-ins for the 7B pair: random weights through the same code path, CPU-sized.
@@ -126,12 +126,12 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
             ps = used[:b * a.waves]
             common = dict(max_new_tokens=a.new_tokens, ignore_eos=True, timeout=a.request_timeout,
                           **sampling_params(a))
-            m0 = coord.metrics()
+            m0, t0 = coord.metrics(), scrape(target.metrics_address)
             plain_recs, plain_wall = run_concurrent(coord.address, ps, b, speculate=False, **common)
-            m1 = coord.metrics()
+            m1, t1 = coord.metrics(), scrape(target.metrics_address)
             spec_recs, spec_wall = run_concurrent(coord.address, ps, b, speculate=True,
                                                   num_draft=a.gamma, **common)
-            m2 = coord.metrics()
+            m2, t2 = coord.metrics(), scrape(target.metrics_address)
             plain, spec = summarize(plain_recs, plain_wall), summarize(spec_recs, spec_wall)
             t_c, d_c = profile_at(tprof, b), profile_at(dprof, b)
             c = d_c / t_c if t_c and d_c else None
@@ -174,6 +174,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                    "graphs": {"target": graphs_captured(target), "draft": graphs_captured(draft)},
                    # how the step messages went (gRPC stream, step-channel socket, shared memory)
                    "step_paths": step_paths(after),
+                   # the target's steps staged ahead (--verify-ahead) and how often a pass's guess held
+                   **ahead_counts(t0, t1, "plain"), **ahead_counts(t1, t2, "spec"),
                    "plain": plain, "spec": spec}
             row.update(steady_rows(b, plain_recs, spec_recs, plain, spec, (m0, m1, m2), row["expected"]))
             row.update(per_step(row))
@@ -194,6 +196,8 @@ def measure(a, label: str, gpus: int, target, draft, batches, prompts, log_dir: 
                   f"(step {_f(row['step_ms_spec'], '.2f')} ms), steady speedup {_f(row['speedup_steady'], '.2f')} "
                   f"(occupancy plain {_f(row['occupancy_plain'], '.2f')}, spec {_f(row['occupancy_spec'], '.2f')}), "
                   f"steps over {', '.join(f'{k} {v}' for k, v in sorted(row['step_paths'].items())) or '-'}, "
+                  f"staged ahead taken {_f(row['ahead_taken_frac_spec'], '.2f')} of {_f(row['ahead_taken_spec'] + row['ahead_dropped_spec'])} (spec), "
+                  f"{_f(row['ahead_taken_frac_plain'], '.2f')} (plain), "
                   f"errors {plain['errors'] + spec['errors']}"
                   + (f" ({plain['first_error'] or spec['first_error']})"
                      if plain['errors'] + spec['errors'] else ""), flush=True)
@@ -277,6 +281,19 @@ def step_paths(samples: dict) -> dict:
     specdec_step_transport_state gauge; {} from a coordinator that does not export it."""
     return {labels["role"]: labels["transport"] for labels, v in samples.get("specdec_step_transport_state") or []
             if v == 1}
+
+
+AHEAD = "specdec_verify_ahead_steps_total"
+
+
+def ahead_counts(before: dict, after: dict, mode: str) -> dict:
+    """The target's steps staged ahead between two scrapes of its /metrics: taken (the next Verify
+    was the step expected) and dropped, and the share taken (None when it staged nothing: off,
+    or a server without the counter)."""
+    taken, dropped = (sample_total(after, AHEAD, outcome=o) - sample_total(before, AHEAD, outcome=o)
+                      for o in ("taken", "dropped"))
+    return {f"ahead_taken_{mode}": taken, f"ahead_dropped_{mode}": dropped,
+            f"ahead_taken_frac_{mode}": taken / (taken + dropped) if taken + dropped else None}
 
 
 def _f(x, spec: str = ".0f") -> str:

@@ -153,3 +153,26 @@ def test_step_transport_state_names_one_transport_per_server_and_e2e_reads_it_ba
     assert sorted(target) == [0, 0, 1]
     with pytest.raises(ValueError, match="transport must be one of"):
         cm.set_step_transport("target", "pipe")
+
+
+def test_e2e_counts_the_targets_steps_staged_ahead_between_two_scrapes():
+    from e2e import ahead_counts
+    from specdec.metrics import ServerMetrics
+    reg = CollectorRegistry()
+    sm = ServerMetrics(reg, "target")
+    server = start_metrics_server(0, reg, addr="127.0.0.1")
+    try:
+        zero = scrape(f"127.0.0.1:{server.port}")
+        sm.set_ahead(taken=3, dropped=1)
+        before = scrape(f"127.0.0.1:{server.port}")
+        sm.set_ahead(taken=9, dropped=3)
+        after = scrape(f"127.0.0.1:{server.port}")
+    finally:
+        server.close()
+    assert ahead_counts(before, after, "spec") == {"ahead_taken_spec": 6, "ahead_dropped_spec": 2,
+                                                   "ahead_taken_frac_spec": 0.75}
+    assert ahead_counts(zero, before, "plain")["ahead_taken_frac_plain"] == 0.75
+    # Nothing staged (off), or a target without the counter: no share.
+    assert ahead_counts(after, after, "spec")["ahead_taken_frac_spec"] is None
+    assert ahead_counts({}, {}, "plain") == {"ahead_taken_plain": 0, "ahead_dropped_plain": 0,
+                                             "ahead_taken_frac_plain": None}
