@@ -22,15 +22,18 @@ def verify(engine, request: pb.VerifyRequest) -> tuple[pb.VerifyResponse, object
 
 def expected_next(request: pb.VerifyRequest, response: pb.VerifyResponse) -> list[tuple[int, int, int]]:
     """The step that usually follows an answered one, for TargetEngine.prepare_ahead: per sequence
-    (seq_id, the target's next token, as many drafts as this step had); none when any sequence
-    failed, was a partial prefill or samples (the next step's prompt chunk or draft weights are
-    not known ahead)."""
+    (seq_id, the target's next token, the most drafts any sequence of this step had: a sequence
+    that just joined, or decoded plainly beside drafting ones, then fits too, as fewer drafts than
+    staged do); none when any sequence failed, was a partial prefill or samples (the next step's
+    prompt chunk or draft weights are not known ahead)."""
     out = []
+    k = 0
     for s, r in zip(request.seqs, response.results):
         if r.HasField("error") or s.partial_prefill or r.next_token < 0 or s.sampling.temperature > 0:
             return []
-        out.append((s.seq_id, r.next_token, len(s.draft_tokens) // 4))   # int32 ids
-    return out
+        out.append((s.seq_id, r.next_token))
+        k = max(k, len(s.draft_tokens) // 4)   # int32 ids
+    return [(seq_id, token, k) for seq_id, token in out]
 
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):

@@ -58,17 +58,50 @@ class _Ahead:
     expect: list[tuple[int, int, int]]
     free_before: int               # KV blocks free before the staging reserved its slots
 
-    def matches(self, seqs: Sequence[VerifySeqInput], vocab_size: int) -> bool:
-        """Whether seqs are the predicted step: the same sequences in the same order, each with the
-        predicted token, as many drafts, all in the vocabulary, greedy, nothing else asked."""
-        if len(seqs) != len(self.expect):
-            return False
-        for s, (seq_id, token, k) in zip(seqs, self.expect):
-            if (s.seq_id != seq_id or len(s.new_tokens) != 1 or s.new_tokens[0] != token
-                    or len(s.draft_tokens) != k or s.first or s.partial_prefill or not s.sampling.greedy
-                    or outside_vocab(s.draft_tokens, vocab_size) is not None):
-                return False
-        return True
+    def mismatch(self, seqs: Sequence[VerifySeqInput], vocab_size: int, gone: Sequence[int] = ()) -> str | None:
+        """Why seqs are not the predicted step (for the log), or None when they are: the staged
+        sequences less those the request releases (`gone`), in the same order, each with the
+        predicted token, at most as many drafts as staged, all in the vocabulary, greedy, nothing
+        else asked."""
+        expect = [e for e in self.expect if e[0] not in gone] if gone else self.expect
+        if len(seqs) != len(expect):
+            return f"{len(seqs)} sequences, {len(expect)} expected"
+        if not seqs:
+            return "nothing left to verify"
+        for s, (seq_id, token, k) in zip(seqs, expect):
+            if s.seq_id != seq_id:
+                return f"sequence {s.seq_id} where {seq_id} was expected"
+            if len(s.new_tokens) != 1 or s.new_tokens[0] != token:
+                return f"sequence {seq_id}: new tokens other than the one returned"
+            if len(s.draft_tokens) > k:
+                return f"sequence {seq_id}: {len(s.draft_tokens)} drafts, {k} staged"
+            if s.first or s.partial_prefill or not s.sampling.greedy:
+                return f"sequence {seq_id}: first, partial prefill or sampled"
+            if outside_vocab(s.draft_tokens, vocab_size) is not None:
+                return f"sequence {seq_id}: a draft outside the vocabulary"
+        return None
+
+    def take(self, seqs: Sequence[VerifySeqInput], gone: Sequence[int]) -> list[Plan]:
+        """The staged plans with the request's sequences in place of the placeholders (mismatch
+        passed). A sequence with fewer drafts than staged keeps the staged layout: its missing
+        drafts are NO_DRAFT, which never matches, so its rows past its own drafts go unused and
+        their KV is cut back with the rejected. A sequence the request releases keeps its
+        placeholder (scored with the step, index -1: no output; freed after)."""
+        it = iter(seqs)
+        for j, p in enumerate(self.plans):
+            if p.seq.seq_id in gone:
+                p.index = -1
+                continue
+            s = next(it)
+            k = len(p.seq.draft_tokens)
+            if len(s.draft_tokens) < k:
+                s = dataclasses.replace(s, draft_tokens=[*s.draft_tokens, *[NO_DRAFT] * (k - len(s.draft_tokens))])
+            p.seq, p.index = s, j - sum(1 for q in self.plans[:j] if q.index < 0)
+        return self.plans
+
+
+# A staged draft the request did not send (it sent fewer): matches no token; fed as id 0.
+NO_DRAFT = -1
 
 
 class TargetEngine(ModelEngine):
@@ -93,7 +126,7 @@ class TargetEngine(ModelEngine):
     def prepare_ahead(self, expect: Sequence[tuple[int, int, int]]) -> bool:
         """Admits and stages the step expected next: per (seq_id, next_token, k) the sequence's
         token and k placeholder drafts (greedy). The next verify takes it when its request is that
-        step (_Ahead.matches: it then skips admission, host arrays and staging, and only puts the
+        step (_Ahead.mismatch: it then skips admission, host arrays and staging, and only puts the
         drafts' ids in); any other request, a release, or another prepare_ahead undoes it first
         (the KV cut back to where it was), so a wrong guess costs work but changes nothing.
         Returns whether a step is staged. (A step that takes it times its forward without the
@@ -153,17 +186,21 @@ class TargetEngine(ModelEngine):
     def verify(self, seqs: Sequence[VerifySeqInput], release: Sequence[int] = ()) -> StepResult:
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and (release or not ahead.matches(seqs, self.vocab_size)
-                                  or not self._still_staged(ahead)):
-            self._undo(ahead)
-            ahead = None
-        self.release(release)
+        gone: list[int] = []   # staged sequences the request releases: scored with the step, then freed
+        if ahead is not None:
+            staged = {seq_id for seq_id, _, _ in ahead.expect}
+            gone = [r for r in release if r in staged]
+            why = ahead.mismatch(seqs, self.vocab_size, gone) or (
+                None if self._still_staged(ahead) else "its graph inputs were overwritten")
+            if why is not None:
+                log.debug("step staged ahead dropped: %s", why)
+                self._undo(ahead)
+                ahead, gone = None, []
+        self.release([r for r in release if r not in gone])
         if ahead is not None:
             # The step staged ahead: the same plans (admitted, their KV reserved), now with the
             # request's sequences, whose drafts replace the placeholders.
-            plans, errors = ahead.plans, [None] * len(seqs)
-            for p, s in zip(plans, seqs):
-                p.seq = s
+            plans, errors = ahead.take(seqs, gone), [None] * len(seqs)
         else:
             plans, errors = self.admit_step(seqs, self._plan)
         outputs: list[VerifyOutput | None] = [None if e is None else VerifyOutput(s.seq_id, error=e)
@@ -173,13 +210,17 @@ class TargetEngine(ModelEngine):
             results = self._score(plans, clock, None if ahead is None else ahead.batch)
         except BaseException:
             self.roll_back(p.admission for p in plans)
+            self.release(gone)
             raise
         if ahead is not None:
             self.ahead_taken += 1
         for plan, (accepted, next_token) in zip(plans, results):
+            if plan.index < 0:
+                continue   # released by this request (freed below)
             # The KV keeps the accepted drafts; next_token comes back as next step's new_tokens.
             self.runner.truncate(plan.seq.seq_id, plan.first_draft_position + accepted)
             outputs[plan.index] = VerifyOutput(plan.seq.seq_id, accepted, next_token)
+        self.release(gone)
         forwards = clock.seconds()
         if forwards and plans and all(len(p.seq.new_tokens) + len(p.seq.draft_tokens) == 1 for p in plans):
             self.profile.update(len(plans), forwards[0])  # a plain decode step: a live sample of t(b, 1)
@@ -237,7 +278,7 @@ class TargetEngine(ModelEngine):
             if staged is None:
                 flat = self.runner.step_flat(items, argmax=greedy)
             else:
-                ids = [t for item in items for t in item.token_ids]
+                ids = [t if t >= 0 else 0 for item in items for t in item.token_ids]   # (NO_DRAFT: 0)
                 if staged.graph_key is not None:   # on a graph: its input ids rewritten in place
                     self.runner.graphs.put_ids(staged, ids)
                 else:

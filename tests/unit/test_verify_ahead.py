@@ -133,15 +133,17 @@ def test_steps_staged_ahead_answer_as_steps_that_were_not(target_path, graphed):
         # Staging reserves the next step's KV; nothing else changes until a verify takes it.
         assert staged == all(o.error is None for o in want), step
     # Nothing is staged before step 0 (the prompts' step) nor before 15 (after 14's failure).
-    # Undone: 5 (fewer drafts), 6 (as many as before 5 again), 8 (a release), 11 (a join), 12 (the
-    # joined sequence's first drafts: its prompt step had none), 14 (a draft outside the
-    # vocabulary), 16 (a Release call). Taken: 1-4, 7, 9, 10, 13, 17.
-    assert ahead.ahead_taken == 9
+    # Taken: 1-4, 5 (fewer drafts than staged: the staged layout, the missing drafts never
+    # accepted), 7, 8 (a staged sequence released with the request: scored, no answer, freed),
+    # 9, 10, 12 (the joined sequence's first drafts: staged with the step's most, as the others),
+    # 13, 17. Undone: 6 (more drafts than staged after 5), 11 (a join), 14 (a draft outside the
+    # vocabulary), 16 (a Release call).
+    assert ahead.ahead_taken == 12
     if graphed:   # the staged steps ran on the graphs
         assert ahead.runner.graphs.replays >= ahead.ahead_taken
-    assert ahead.ahead_dropped == 7
+    assert ahead.ahead_dropped == 4
     ahead.drop_ahead()                                      # the one staged after 17
-    assert ahead.ahead_dropped == 8
+    assert ahead.ahead_dropped == 5
     for e in (ref, ahead):
         e.release(list(e.runner.blocks.seq_ids()))
         assert e.num_free_blocks == e.runner.blocks.num_blocks and e.num_sequences() == 0
@@ -155,7 +157,8 @@ def test_expected_next_stages_nothing_it_cannot_know():
         return request
     ok = pb.VerifyResponse(results=[pb.VerifyResult(seq_id=1, accepted=1, next_token=9),
                                     pb.VerifyResult(seq_id=2, next_token=11)])
-    assert expected_next(step(), ok) == [(1, 9, 2), (2, 11, 0)]
+    # (2 had no drafts: staged with the step's most, 2, which it may then leave unsent)
+    assert expected_next(step(), ok) == [(1, 9, 2), (2, 11, 2)]
     assert expected_next(step(partial_prefill=True), ok) == []
     assert expected_next(step(sampling=pb.SamplingParams(temperature=0.7)), ok) == []
     failed = pb.VerifyResponse(results=[ok.results[0], pb.VerifyResult(seq_id=2, next_token=-1,
@@ -190,3 +193,31 @@ def test_a_request_that_releases_a_staged_sequence_does_not_take_the_step(target
     assert ahead.ahead_taken == 0 and ahead.ahead_dropped == 1
     for e in (ref, ahead):
         assert e.num_sequences() == 0 and e.num_free_blocks == e.runner.blocks.num_blocks
+
+
+@pytest.mark.parametrize("graphed", [False, True, CUDA])
+def test_fewer_drafts_than_staged_and_released_sequences_take_the_staged_step(target_path, graphed):
+    """Where a request ends: the staged step is taken when a sequence sends fewer drafts than
+    staged (all of them right, so the answer is the row after its last real draft) or none, and
+    when the request releases a staged sequence (finished): answers, KV and free blocks as on an
+    engine that staged nothing, the released sequence gone."""
+    cont = _continuations(target_path, graphed=graphed)
+    ref, ahead = _engine(target_path, graphed), _engine(target_path, graphed)
+    for e in (ref, ahead):
+        outs = e.verify([VerifySeqInput(s, p, first=True) for s, p in PROMPTS.items()]).outputs
+    nxt = {s: o.next_token for s, o in zip(PROMPTS, outs)}
+    assert all(nxt[s] == cont[s][0] for s in PROMPTS)
+    assert ahead.prepare_ahead([(s, nxt[s], K) for s in PROMPTS])
+    # 1: two right drafts of three staged; 3: none; 2: released with the request.
+    seqs = [VerifySeqInput(1, [nxt[1]], cont[1][1:3]), VerifySeqInput(3, [nxt[3]], [])]
+    want, got = ref.verify(seqs, [2]).outputs, ahead.verify(seqs, [2]).outputs
+    assert ahead.ahead_taken == 1 and ahead.ahead_dropped == 0
+    assert [(o.seq_id, o.accepted, o.next_token, o.error) for o in got] == \
+           [(o.seq_id, o.accepted, o.next_token, o.error) for o in want]
+    assert (got[0].accepted, got[0].next_token) == (2, cont[1][3])
+    assert (got[1].accepted, got[1].next_token) == (0, cont[3][1])
+    assert _kv(ahead) == _kv(ref) == {1: len(PROMPTS[1]) + 3, 3: len(PROMPTS[3]) + 1}
+    assert ahead.num_free_blocks == ref.num_free_blocks
+    for e in (ref, ahead):
+        e.release([1, 3])
+        assert e.num_free_blocks == e.runner.blocks.num_blocks
