@@ -73,7 +73,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
             self.runtime.metrics.observe_forward("prefill", len(served), timing.forward_seconds)
             return
         self.runtime.metrics.observe_forward("verify", len(served), timing.forward_seconds)
-        if min(lens) == max(lens):
+        if min(lens) == max(lens) and not self.runtime.engine.ran_staged_shape:
             self.runtime.engine.profile.costs.update(len(served), lens[0], timing.forward_seconds)
 
 

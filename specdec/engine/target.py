@@ -109,6 +109,7 @@ class TargetEngine(ModelEngine):
     _ahead: _Ahead | None = None             # a step staged ahead of its request (prepare_ahead)
     ahead_taken = 0                          # verifies that took a step staged ahead
     ahead_dropped = 0                        # steps staged ahead and undone (another request came)
+    ran_staged_shape = False                 # the last verify ran a staged step's shape, not its request's
 
     def graph_query_lens(self) -> tuple[int, ...]:
         # One new token + k drafts; k beyond 8 is rare enough to run eagerly.
@@ -136,6 +137,11 @@ class TargetEngine(ModelEngine):
         if not expect or self.tp.size > 1:   # (tensor-parallel ranks mirror steps, not this)
             return False
         free = self.num_free_blocks
+        # A sequence near max_model_len is staged with the drafts it can still take (its token, k
+        # drafts and the target's next must fit), not refused with the whole step.
+        blocks, room = self.runner.blocks, self.max_model_len - 2
+        expect = [(s, t, max(0, min(k, room - blocks.num_tokens(s))) if s in blocks else k)
+                  for s, t, k in expect]
         seqs = [VerifySeqInput(seq_id, [token], [0] * k) for seq_id, token, k in expect]
         plans, errors = self.admit_step(seqs, self._plan)
         if any(e is not None for e in errors):
@@ -211,9 +217,15 @@ class TargetEngine(ModelEngine):
         except BaseException:
             self.roll_back(p.admission for p in plans)
             self.release(gone)
+            if ahead is not None:
+                self.ahead_dropped += 1   # staged and not served
             raise
         if ahead is not None:
             self.ahead_taken += 1
+        # A taken step that ran the staged shape rather than the request's (fewer drafts, released
+        # sequences): the servicer then leaves the (batch, query length) profile alone.
+        self.ran_staged_shape = ahead is not None and (bool(gone) or any(
+            NO_DRAFT in p.seq.draft_tokens for p in plans))
         for plan, (accepted, next_token) in zip(plans, results):
             if plan.index < 0:
                 continue   # released by this request (freed below)

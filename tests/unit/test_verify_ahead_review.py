@@ -123,7 +123,8 @@ def test_a_forward_that_raises_on_the_fast_path_rolls_the_staged_step_back(targe
         with pytest.raises(RuntimeError, match="device lost"):
             e.verify(seqs)
     assert _kv(ahead) == _kv(ref) and ahead.num_free_blocks == ref.num_free_blocks
-    assert ahead._ahead is None and ahead.ahead_taken == 0   # (counted once a step is served)
+    # (taken is counted once a step is served; a staged step that was not is dropped)
+    assert ahead._ahead is None and ahead.ahead_taken == 0 and ahead.ahead_dropped == 1
     outs = _both(ref, ahead, seqs)                   # the step again, now served
     assert ahead.prepare_ahead(_expect(seqs, outs))
     _both(ref, ahead, [VerifySeqInput(s.seq_id, [o.next_token], [4, 5, 6]) for s, o in zip(seqs, outs)])
@@ -167,23 +168,36 @@ def test_prepare_ahead_with_a_duplicate_or_unknown_sequence_stages_nothing(targe
 
 
 def test_steps_staged_ahead_up_to_max_model_len(target_path):
-    """A sequence decoded with K drafts to max_model_len: each step staged after the one before;
-    the last steps (refused as too long) answer as on an engine that never stages."""
+    """A sequence decoded with K drafts to max_model_len, its drafts cut as it nears the end (as
+    the coordinator cuts them): each step is staged after the one before, the last ones with the
+    drafts that still fit (not refused with the step: review finding), taken, and answered as on an
+    engine that never stages; a step with more drafts than fit then fails as without staging."""
     ref, ahead = _engine(target_path, max_model_len=24), _engine(target_path, max_model_len=24)
     nxt = _start(ref, ahead, {1: PROMPTS[1]})[1]
-    staged = []
-    for _ in range(20):
-        seqs = [VerifySeqInput(1, [nxt], [0] * K)]
+    staged, ks = [], []
+    while (room := 24 - ref.runner.num_tokens(1) - 2) >= 0:
+        seqs = [VerifySeqInput(1, [nxt], [0] * min(K, room))]
         outs = _both(ref, ahead, seqs)
-        if outs[0].error is not None:
-            assert outs[0].error.code == Code.INVALID_ARGUMENT
-            break
+        assert outs[0].error is None
         nxt = outs[0].next_token
-        staged.append(ahead.prepare_ahead(_expect(seqs, outs)))
-    else:
-        pytest.fail("never reached max_model_len")
-    assert staged and not staged[-1] and any(staged)
-    assert ahead.ahead_taken == sum(staged)
+        ks.append(len(seqs[0].draft_tokens))
+        staged.append(ahead.prepare_ahead([(1, nxt, K)]))   # staged with K; cut to what fits
+    # Staged after every step but the last (no room left even for the next token alone).
+    assert all(staged[:-1]) and not staged[-1] and ks[-2:] == [1, 0]
+    assert ahead.ahead_taken == len(staged) - 1 and ahead.ahead_dropped == 0
+    outs = _both(ref, ahead, [VerifySeqInput(1, [nxt], [0] * K)])
+    assert outs[0].error.code == Code.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_sequence_near_max_model_len_does_not_keep_the_others_from_being_staged(target_path, graphed):
+    """Staged with the step's most drafts, a sequence with little room left is cut to what fits
+    (review finding: the whole step was refused): the others' step is still taken."""
+    ref, ahead = (_engine(target_path, graphed, max_model_len=24) for _ in range(2))
+    nxt = _start(ref, ahead, {1: [1] * 20, 2: PROMPTS[2]})     # 1: room for 2 drafts at most
+    assert ahead.prepare_ahead([(1, nxt[1], K), (2, nxt[2], K)])
+    _both(ref, ahead, [VerifySeqInput(1, [nxt[1]], [0]), VerifySeqInput(2, [nxt[2]], [0, 1, 2])])
+    assert ahead.ahead_taken == 1 and ahead.ahead_dropped == 0
 
 
 def test_a_staged_reservation_never_refuses_another_request_kv(target_path):
@@ -317,3 +331,31 @@ def test_hostpath_loop_figures_run_against_an_engine_without_verify_ahead(monkey
     import hostpath
     assert hostpath.server_python_us("target", 1, 3) > 0
     assert hostpath.server_python_us("target", 1, 3, graphed=True, ahead=True) is None
+
+
+def test_a_step_that_ran_the_staged_shape_leaves_the_verify_profile_alone(target_path):
+    """A taken step whose request sent fewer drafts than staged ran the staged shape (batch, 1 +
+    staged drafts): the servicer must not file its time under the request's (batch, 1 + drafts)
+    (review finding); a step that ran its own shape still moves its entry."""
+    sv = _servicer(_engine(target_path, verify_ahead=True))
+    engine = sv.runtime.engine
+    nxt = {s: None for s in PROMPTS}
+
+    def step(n: int, drafts) -> None:
+        seqs = ([VerifySeqInput(s, p, first=True) for s, p in PROMPTS.items()] if drafts is None
+                else [VerifySeqInput(s, [nxt[s]], list(drafts)) for s in PROMPTS])
+        request = _request(n, seqs)
+        response = sv._step(request, time.perf_counter())
+        assert all(not r.HasField("error") for r in response.results)
+        sv._account(request, response, 0.0)    # publishes, observes, stages the next step
+        nxt.update({r.seq_id: r.next_token for r in response.results})
+
+    step(1, None)
+    step(2, [0, 1, 2])                         # more drafts than the prompt step's: not taken
+    assert engine.ahead_taken == 0 and engine.profile.costs.get(3, 4) is not None
+    step(3, [0, 1])                            # fewer than staged: taken, ran (3, 4)
+    assert engine.ahead_taken == 1 and engine.ran_staged_shape
+    assert engine.profile.costs.get(3, 3) is None
+    step(4, [0, 1])                            # as many as staged: taken, its own shape
+    assert engine.ahead_taken == 2 and not engine.ran_staged_shape
+    assert engine.profile.costs.get(3, 3) is not None
