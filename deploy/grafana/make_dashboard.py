@@ -134,6 +134,12 @@ PANELS = [
      "How the coordinator's step messages reach each model server: grpc (the gRPC stream), socket "
      "(the server's step channel) or shared (its frames through shared memory: coordinator and "
      "server on one host, the coordinator busy-polling). A line per transport in use."),
+    ("Target steps staged ahead", "ops", "timeseries", [
+        ("sum by (outcome) (rate(specdec_verify_ahead_steps_total[$__rate_interval]))", "{{outcome}}")],
+     "The target's steps staged ahead (--verify-ahead, on by default on a GPU) per second: taken "
+     "(the next Verify was the step it expected, and it skipped that host work) or dropped (another "
+     "request came: a sequence joined, more drafts, sampling). A high dropped rate means work for "
+     "nothing; the target's debug log says why each was dropped."),
 ]
 
 
