@@ -232,7 +232,7 @@ class EngineConfig:
     # None: DEFAULT_GRAPH_CONTEXT_LENS (bounds at or over max_model_len are dropped)
     graph_context_lens: tuple[int, ...] | None = None
     # target: after answering a step, admit and stage the step that usually follows (the same
-    # greedy sequences, each with its next token and as many drafts), so that the next verify skips
+    # greedy sequences, each with its next token and the step's most drafts), so that the next verify skips
     # that host work when it matches (TargetEngine.prepare_ahead). The servers turn it on for cuda
     # (session 36, H200, 7B + 68m: +4-6% speculative tok/s at b 8 in both orders of an A/B, b 1 even)
     verify_ahead: bool = False

@@ -236,11 +236,16 @@ class PackedBuffer:
                     view[r * width:r * width + len(row)] = array(code, row)
             elif len(a):
                 typed[i][:len(a)] = array(code, a)
-        # Pinned: a DMA queued on the stream (after any replay still reading the buffer), no sync.
-        self.buffer.copy_(self.ring.hosts[turn], non_blocking=self._cuda)
+        self._copy(turn, self.buffer, self.ring.hosts[turn])
+        return self.views
+
+    def _copy(self, turn: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queues the copy of host buffer `turn`'s bytes `src` into `dst` (pinned: a DMA on the
+        stream, after any replay still reading the buffer, no sync) and marks that host buffer
+        busy until it has run."""
+        dst.copy_(src, non_blocking=self._cuda)
         if self._cuda:
             self.ring.copied(turn, torch.cuda.Event, current_stream(self.buffer.device))
-        return self.views
 
     @inference
     def put(self, slot: int, values: Sequence[int]) -> torch.Tensor:
@@ -253,9 +258,7 @@ class PackedBuffer:
         turn = self.ring.take()
         self._typed_views(turn)[slot][:len(values)] = array(code, values)
         end = off + len(values) * size
-        self.buffer[off:end].copy_(self.ring.hosts[turn][off:end], non_blocking=self._cuda)
-        if self._cuda:
-            self.ring.copied(turn, torch.cuda.Event, current_stream(self.buffer.device))
+        self._copy(turn, self.buffer[off:end], self.ring.hosts[turn][off:end])
         return self.views[slot]
 
     def _refuse(self, arrays: Sequence, pads: Sequence | None):

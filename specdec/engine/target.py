@@ -87,16 +87,16 @@ class _Ahead:
         drafts are NO_DRAFT, which never matches, so its rows past its own drafts go unused and
         their KV is cut back with the rejected. A sequence the request releases keeps its
         placeholder (scored with the step, index -1: no output; freed after)."""
-        it = iter(seqs)
-        for j, p in enumerate(self.plans):
+        request = enumerate(seqs)
+        for p in self.plans:
             if p.seq.seq_id in gone:
                 p.index = -1
                 continue
-            s = next(it)
+            index, s = next(request)
             k = len(p.seq.draft_tokens)
             if len(s.draft_tokens) < k:
                 s = dataclasses.replace(s, draft_tokens=[*s.draft_tokens, *[NO_DRAFT] * (k - len(s.draft_tokens))])
-            p.seq, p.index = s, j - sum(1 for q in self.plans[:j] if q.index < 0)
+            p.seq, p.index = s, index
         return self.plans
 
 

@@ -144,7 +144,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     if role == "target":
         p.add_argument("--verify-ahead", action=argparse.BooleanOptionalAction, default=None,
                        help="after answering a step, admit and stage the step that usually follows "
-                            "(the same greedy sequences, each with its next token and as many drafts) "
+                            "(the same greedy sequences, each with its next token and the step's most drafts) "
                             "while the coordinator and the draft work; the next Verify skips that host "
                             "work when it is that step (TargetEngine.prepare_ahead; default: on for "
                             "cuda, off for cpu)")
