@@ -1,4 +1,4 @@
-"""An A/B of bench/e2e.py: two configurations run in alternating passes (A, B, A, B, ...) in one
+"""An A/B of bench/e2e.py: two configurations run in alternating passes (A, B, B, A, ...) in one
 call, and a table of per-row medians with B / A ratios, since a single pass on these hosts moves
 by more than most changes do.
 
@@ -43,6 +43,9 @@ METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", "
            ("draft_serving_ms_spec", "draft serving ms", ".2f"), ("target_serving_ms_spec", "target serving ms", ".2f"),
            ("overhead_ms_spec", "transport ms", ".2f"), ("c", "c", ".3f")]
 RESULTS = ROOT / "bench" / "results"
+
+
+ORDERS = ("abba", "ab")
 
 
 def result_file(args: list[str], root: Path = ROOT) -> Path:
@@ -106,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     own = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=3, help="passes per side (alternating)")
+    ap.add_argument("--order", choices=ORDERS, default="abba",
+                    help="abba (default): A B, B A, A B, ...: every other pair of passes swaps its order, so a "
+                         "side that gains from running second (session 36 saw B win every pass of two A/Bs "
+                         "in which nothing should have differed by that much) gains as often on both sides; "
+                         "ab: A B in every pair")
     ap.add_argument("--a-args", default="", help="e2e.py arguments of side A only, one string")
     ap.add_argument("--b-args", default="", help="e2e.py arguments of side B only, one string")
     ap.add_argument("--a-env", action="append", default=[], help="NAME=VALUE for side A's processes")
@@ -131,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                 "benchmark": "e2e_ab", "environment": environment(), "common_args": common,
                 "a": {"args": sides["A"][0], "env": sides["A"][1], "code": code["A"]},
                 "b": {"args": sides["B"][0], "env": sides["B"][1], "code": code["B"]},
-                "passes": a.passes, "complete": complete, "summary": summary, "log": log})
+                "passes": a.passes, "order": a.order, "complete": complete, "summary": summary, "log": log})
 
-        passes, log = run_passes(sides, roots, a.passes, a.pass_timeout,
+        passes, log = run_passes(sides, roots, a.passes, a.pass_timeout, order=a.order,
                                  after_pass=lambda p, lg: report(summarize(p), lg, False))
     summary = summarize(passes)
     path = report(summary, log, True)
@@ -142,24 +150,29 @@ def main(argv: list[str] | None = None) -> int:
         cols += [(f"{m}_a", f"{name} A", fmt), (f"{m}_b", f"{name} B", fmt), (f"{m}_ratio", "B/A", ".3f")]
     for side in ("A", "B"):
         print(f"{side}: {code[side]}: {shlex.join(sides[side][0])} {sides[side][1]}")
-    print(f"medians of {a.passes} alternating passes per side")
+    print(f"medians of {a.passes} passes per side, order {a.order}")
     print(table(summary, cols))
     print(f"wrote {path}")
     return 0 if all(entry["returncode"] == 0 for entry in log) else 1
 
 
-def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float,
+def pass_order(i: int, order: str) -> tuple[str, str]:
+    """The sides of pair i (from 0) in the order they run."""
+    return ("B", "A") if order == "abba" and i % 2 else ("A", "B")
+
+
+def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float, order: str = "abba",
                after_pass=None) -> tuple[dict, list[dict]]:
-    """n alternating passes (A, B, A, B, ...) of each side's (args, env) from its checkout; the
-    result files they overwrite are put back as they were. after_pass(passes, log), if given, runs
-    after each pass with what there is so far."""
+    """n pairs of passes of each side's (args, env) from its checkout, each pair in pass_order's
+    order; the result files they overwrite are put back as they were. after_pass(passes, log), if
+    given, runs after each pass with what there is so far."""
     outs = {result_file(args, roots[side]) for side, (args, _) in sides.items()}
     saved = {out: out.read_bytes() for out in outs if out.exists()}
     passes: dict[str, list[list[dict]]] = {"A": [], "B": []}
     log = []
     try:
         for i in range(n):
-            for side in ("A", "B"):
+            for side in pass_order(i, order):
                 args, env = sides[side]
                 rows, secs, rc = run_pass(args, env, timeout, roots[side])
                 passes[side].append(rows)

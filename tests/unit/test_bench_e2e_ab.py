@@ -42,26 +42,36 @@ def test_rows_without_speculation_and_bad_env_items():
         parse_env(["novalue"])
 
 
-def test_passes_alternate_report_after_each_and_put_the_result_file_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("order, expected, finished", [
+    ("abba", ["A", "B", "B", "A"], [(1, 0, 1), (1, 1, 2), (1, 2, 3)]),
+    ("ab", ["A", "B", "A", "B"], [(1, 0, 1), (1, 1, 2), (2, 1, 3)]),
+])
+def test_passes_alternate_report_after_each_and_put_the_result_file_back(tmp_path, monkeypatch, order, expected, finished):
     import e2e_ab
     out = tmp_path / "bench" / "results" / "e2e.json"
     out.parent.mkdir(parents=True)
     out.write_text('{"rows": "the committed run"}')
-    order = []
+    ran = []
 
     def fake_pass(args, env, timeout, root):
-        order.append(env["SIDE"])
+        ran.append(env["SIDE"])
         out.write_text("overwritten by a pass")
-        if len(order) == 4:
+        if len(ran) == 4:
             raise SystemExit(143)            # the call's time limit, as the SIGTERM handler raises it
-        return [_row(1, 100.0 * len(order), 1.0)], 1.0, 0
+        return [_row(1, 100.0 * len(ran), 1.0)], 1.0, 0
 
     seen = []
     monkeypatch.setattr(e2e_ab, "run_pass", fake_pass)
     sides = {"A": ([], {"SIDE": "A"}), "B": ([], {"SIDE": "B"})}
     with pytest.raises(SystemExit):
-        e2e_ab.run_passes(sides, {"A": tmp_path, "B": tmp_path}, 3, 10.0,
+        e2e_ab.run_passes(sides, {"A": tmp_path, "B": tmp_path}, 3, 10.0, order=order,
                           after_pass=lambda passes, log: seen.append((len(passes["A"]), len(passes["B"]), len(log))))
-    assert order == ["A", "B", "A", "B"]
-    assert seen == [(1, 0, 1), (1, 1, 2), (2, 1, 3)]     # what was finished when the fourth pass died
+    assert ran == expected
+    assert seen == finished                  # what was finished when the fourth pass died
     assert out.read_text() == '{"rows": "the committed run"}'
+
+
+def test_abba_is_the_default_order():
+    import e2e_ab
+    assert [e2e_ab.pass_order(i, "abba") for i in range(3)] == [("A", "B"), ("B", "A"), ("A", "B")]
+    assert e2e_ab.ORDERS[0] == "abba"
