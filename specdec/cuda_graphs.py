@@ -63,13 +63,6 @@ CHAIN_MAX = 16  # most steps one chain runs (a draft step's k - 1)
 # e2e A/B in both orders: speculative tok/s +1-9% at b 8, +1-3% at b 1). Read at capture: graphs
 # keep what they captured.
 CHAIN_KERNEL = os.environ.get("SPECDEC_CHAIN_KERNEL", "1") != "0"
-# Greedy chains of 2..CHAIN_UNROLL steps, and a head with its chain of as many forwards, also
-# captured as one graph each per bucket, so that a draft step is one graph launch rather than one
-# per drafted position (session 35 timed launches inside steps at 49-228 us at b 8 on some hosts,
-# where the 68m's forward is ~90 us of device work: the GPU waited on them). Steps longer than
-# CHAIN_UNROLL, and sampled chains, replay the one-step chain graph per position. 0 or 1: none.
-# Read at capture. Off until timed on a GPU.
-CHAIN_UNROLL = int(os.environ.get("SPECDEC_CHAIN_UNROLL", "0"))
 # Stamps of what a graph's static inputs hold, unique across every GraphedForward of the process: a
 # staged batch replays only while its graph still holds it (and only on the graphs that staged it).
 _STAMPS = itertools.count(1)
@@ -194,20 +187,12 @@ class GraphedForward(GraphCaptures):
         self.chains: dict[int, _Chain] = {}
         self.sampled_chains: dict[int, _Chain] = {}
         self.heads: dict[int, torch.cuda.CUDAGraph] = {}   # bucket b -> its head graph (fed_chain)
-        # (b, steps) -> one graph of that many chain steps / of the head and steps - 1 chain steps
-        self.unrolled: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.unrolled_heads: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if chains and 1 in self.query_lens:
             for b in reversed(self.batch_sizes):
                 self.chains[b] = self._capture_chain(b, pool)
             if 2 in self.query_lens:
                 for b in reversed(self.batch_sizes):
                     self.heads[b] = self._capture_head(b, pool)
-            for steps in range(2, min(CHAIN_UNROLL, CHAIN_MAX) + 1):
-                for b in reversed(self.batch_sizes):
-                    self.unrolled[(b, steps)] = self._capture_unrolled(b, steps, pool, head=False)
-                    if b in self.heads:
-                        self.unrolled_heads[(b, steps)] = self._capture_unrolled(b, steps, pool, head=True)
 
     @property
     def context_bounds(self) -> tuple[int, ...]:
@@ -215,8 +200,7 @@ class GraphedForward(GraphCaptures):
 
     @property
     def num_graphs(self) -> int:
-        return (len(self.graphs) + len(self.chains) + len(self.sampled_chains) + len(self.heads)
-                + len(self.unrolled) + len(self.unrolled_heads))
+        return len(self.graphs) + len(self.chains) + len(self.sampled_chains) + len(self.heads)
 
     def shape(self, b: int, q: int) -> Shape:
         """Bucket (b, q)'s rows: b x q for a decode/verify length q; for a prefill length q, one
@@ -370,30 +354,6 @@ class GraphedForward(GraphCaptures):
         g1.stamp = next(_STAMPS)
         return graph
 
-    @torch.inference_mode()
-    def _capture_unrolled(self, b: int, steps: int, pool, head: bool) -> torch.cuda.CUDAGraph:
-        """One graph of `steps` greedy chain steps on chain b's buffers (what `steps` replays of
-        chain b run), or with `head` of head b's step and steps - 1 chain steps (head_chain's
-        replays). The warm-up runs feed nothing: bucket (b, 1)'s slots are padding (-1) and, for a
-        head, bucket (b, 2) has no query tokens, so its chain steps get padding slots too; every
-        chain stages its own inputs before it runs."""
-        g1, c = self.graphs[(b, 1)], self.chains[b]
-        g1.batch.slot_mapping.fill_(-1)
-        if head:
-            g2 = self.graphs[(b, 2)]
-            g2.batch.query_start_loc.zero_()
-
-        def run() -> None:
-            if head:
-                self._head_step(g2, g1, c)
-            for _ in range(steps - 1 if head else steps):
-                self._chain_step(g1, c.tokens, c.at)
-        graph, _ = self._record(run, pool, reset=c.at.zero_)
-        g1.stamp = next(_STAMPS)
-        if head:
-            g2.stamp = next(_STAMPS)
-        return graph
-
     def capture_sampled_chains(self, pick_for) -> None:
         """Sampled chain graphs for every bucket (b, 1) where pick_for(b) gives (pick, tokens):
         pick(logits [b, V], at) draws row `at` of tokens [rows, b] and returns it (the draft's
@@ -430,12 +390,8 @@ class GraphedForward(GraphCaptures):
         if first_ids is not None:
             g.batch.input_ids[:n].copy_(first_ids, non_blocking=True)
         c.at.fill_(start)
-        unrolled = None if sampled else self.unrolled.get((b, steps))
-        if unrolled is not None:
-            unrolled.replay()
-        else:
-            for _ in range(steps):
-                c.graph.replay()
+        for _ in range(steps):
+            c.graph.replay()
         self.replays += steps
         g.stamp = next(_STAMPS)
         return c.tokens[start:start + steps, :n].clone()
@@ -459,13 +415,9 @@ class GraphedForward(GraphCaptures):
         if q != 2 or head is None or not 1 <= steps <= CHAIN_MAX:
             raise ValueError(f"no head and chain of {steps} steps on graph {b}x{q}")
         c = self.chains[b]
-        unrolled = self.unrolled_heads.get((b, steps))
-        if unrolled is not None:
-            unrolled.replay()
-        else:
-            head.replay()
-            for _ in range(steps - 1):
-                c.graph.replay()
+        head.replay()
+        for _ in range(steps - 1):
+            c.graph.replay()
         self.replays += steps
         g2.stamp = next(_STAMPS)
         self.graphs[(b, 1)].stamp = next(_STAMPS)

@@ -50,10 +50,6 @@ class CpuGraphs(GraphedForward):
         g2, g1, c = self.graphs[(b, 2)], self.graphs[(b, 1)], self.chains[b]
         return _Replay(lambda: self._head_step(g2, g1, c))
 
-    @staticmethod
-    def _record(fn, pool, reset=None):   # the captures that go through GraphCaptures._record (unrolled chains)
-        return warm_record(fn, pool, reset)
-
 
 class _Replay:
     def __init__(self, fn):
