@@ -18,7 +18,7 @@ processes) for receivers that wait in different ways, each in a fresh process:
   CPU and every other thread of the process moved off it (pin_loop_thread), once set up. On the
   H200 host (session 18) poll+cuda took 58.7 us against 39.7 for poll: whether a CPU of its own
   gives the loop back what the CUDA context's threads take;
-- poll+shm, poll+cuda+shm: poll, or poll+cuda, with the frame written into shared slots
+- poll+shm, poll+grpc+shm, poll+cuda+shm: poll, poll+grpc or poll+cuda, with the frame written into shared slots
   (protos/shared_slots.py: the step channel's frames between processes of one host) and a doorbell
   on the socket; the receiver polls the slot (shared_slots.Inbox) as the servers and the
   coordinator do.
@@ -42,7 +42,7 @@ import time
 from common import ROOT, environment, table, write_result
 
 MODES = ("blocking", "asyncio", "poll", "poll+grpc", "poll+torch", "poll+cuda", "poll+pin", "poll+cuda+pin",
-         "poll+shm", "poll+cuda+shm")
+         "poll+shm", "poll+grpc+shm", "poll+cuda+shm")
 _STAMP = struct.Struct("<d")
 
 
@@ -97,7 +97,7 @@ async def receive_async(srv: socket.socket, frames: int, mode: str, slots=None) 
     from specdec.busy_poll import BusyPoll
     poll = BusyPoll(0.02 if mode != "asyncio" else 0.0)
     extras = []
-    if mode == "poll+grpc":
+    if mode.startswith("poll+grpc"):
         import grpc
         server = grpc.aio.server()
         server.add_insecure_port("127.0.0.1:0")

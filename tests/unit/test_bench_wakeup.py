@@ -13,7 +13,9 @@ import wakeup  # noqa: E402
 
 
 def test_each_mode_measures_every_frame_in_a_plausible_time():
-    for mode in ("blocking", "poll"):
+    from protos import shared_slots
+    shm = ("poll+grpc+shm",) if shared_slots.AVAILABLE and shared_slots.SPIN else ()
+    for mode in ("blocking", "poll", *shm):
         lat = wakeup.receiver(mode, frames=20, gap_s=0.001)
         assert len(lat) == 20 and all(0 < t < 1.0 for t in lat), (mode, lat)
 
