@@ -11,7 +11,8 @@
 #         (the transport's parts per call: bench/trace_steps.py; TRACE_ARGS, default --drafts llama-68m), wakeup
 #         (how fast a process notices a frame, by how it waits: bench/wakeup.py), hostpath, serving, attention, decode (DECODE_SETS), cost (COST_SETS: kernel sets, default all), gemv,
 #         anatomy (ANATOMY_ARGS), gaps (where the GPU waits in a speculative step; GAPS_ARGS), gaps-ab
-#         (GAPS_AB_BASE: another commit's packages against this tree, GAPS_AB_ROUNDS alternations), tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
+#         (GAPS_AB_BASE: another commit's packages against this tree, GAPS_AB_ROUNDS alternations), launch-probe
+#         (each graph's launch: host us, and when the GPU starts it; LAUNCH_BATCHES), tests-tp / allreduce / anatomy-tp (two GPUs; ANATOMY_TP: anatomy.py's --tensor-parallel
 #         specs, default "1 2 2:nccl"), timeline (TIMELINE_SETS: kernel sets, default "default no_norm"; TIMELINE_ARGS:
 #         more timeline.py arguments, e.g. "--shapes llama-7b --query-lens 1 5"), attention-grid, attention-loops.
 #         A set may carry a server's graph bounds (common.graph_variant): COST_SETS="default default@4096
@@ -118,6 +119,10 @@ for s in "$@"; do
       done
       TAIL=60 run gaps-ab 30 python3 bench/gaps.py --compare "${specs[@]}" ;;
     anatomy) run anatomy "${ANATOMY_S:-150}" python3 bench/anatomy.py ${ANATOMY_ARGS:-}; keep anatomy.json ;;
+    # every 7B and draft graph at LAUNCH_BATCHES (default 1 8): nodes, replay() host us, and under
+    # the profiler when the GPU starts and ends it against the launch call (bench/launch_probe.py)
+    launch-probe) run launch-probe "${LAUNCH_S:-200}" python3 bench/launch_probe.py --batches ${LAUNCH_BATCHES:-1 8}
+                  keep launch_probe.json ;;
     # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the all-reduce paths, TP=2 against TP=1
     tests-tp) run tests-tp "${TP_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                 tests/gpu/test_collectives_gpu.py tests/gpu/test_tensor_parallel_gpu.py ;;

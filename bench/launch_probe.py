@@ -16,6 +16,11 @@ edits: its own copy of the launch timing, the draft's chain graphs still in, whe
 every 7B graph was kernels only (266 at b 1 up to 16 tokens, 329 above; 234 at b 8 up to 2 tokens,
 297 above) and launched in 65-153 us with no order by size (b 1 q 5 133 us, b 8 q 5 138): ~0.25-0.5
 us a node. The script as it is has not run on a GPU yet.
+
+Each graph's row also has, from 10 replays under torch.profiler (launch_gaps), the launch call's
+host time there, when its first device op started and when its last ended, all from the call's
+start: whether the GPU waits for a whole graph to be submitted before it starts (session 38: a
+draft step as one graph of every position lost to a graph per position launched in turn).
 """
 from __future__ import annotations
 
@@ -89,6 +94,50 @@ def graph_nodes(graph: torch.cuda.CUDAGraph) -> tuple[dict, dict, str | None]:
 
 
 _ONES = torch.ones(1024)
+
+
+def launch_gaps(events: list[tuple[str, float, float]]) -> list[dict]:
+    """Per graph launch in a profiled run: how long the launch call took on the host, and when the
+    device started and ended the graph's work, in us from the call's start. events: (kind, start,
+    end) in one time base (torch.profiler's: CUPTI aligns host and device), kind "launch" for a
+    cudaGraphLaunch call and "device" for a device op; a launch's device ops are those that start
+    after it and before the next launch (replays are synchronised in between). A first op that
+    starts about when the call returns says the GPU waited for the whole graph to be submitted; one
+    that starts well before, that the launch streams its nodes while the GPU runs the first ones."""
+    launches = sorted((s, e) for kind, s, e in events if kind == "launch")
+    device = sorted((s, e) for kind, s, e in events if kind == "device")
+    out = []
+    for i, (start, end) in enumerate(launches):
+        until = launches[i + 1][0] if i + 1 < len(launches) else float("inf")
+        ops = [(s, e) for s, e in device if start <= s < until]
+        if not ops:
+            continue
+        out.append({"launch_call_us": end - start, "first_op_us": ops[0][0] - start,
+                    "last_op_end_us": max(e for _, e in ops) - start, "ops": len(ops)})
+    return out
+
+
+def first_op_delay(graph: torch.cuda.CUDAGraph, reps: int = 10) -> dict:
+    """launch_gaps' medians over `reps` profiled replays of `graph`, each on an idle GPU (the
+    profiler's own callbacks make each launch call somewhat longer than unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+            torch.cuda.synchronize()
+    events = []
+    for e in prof.events():
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            events.append(("device", *span))
+        elif e.name == "cudaGraphLaunch":
+            events.append(("launch", *span))
+    gaps = launch_gaps(events)
+    if not gaps:
+        return {}
+    return {k: statistics.median(g[k] for g in gaps) for k in ("launch_call_us", "first_op_us", "last_op_end_us")}
 
 
 def _spin(us: float) -> None:
@@ -225,17 +274,23 @@ def main() -> int:
                 rows.append({"role": role, "batch": b, "query_len": q, "nodes": sum(kinds.values()),
                              "kinds": kinds, "kernels": names, "names_error": problem,
                              # replay() on an idle GPU right after a replay of the same graph
-                             "launch_us": launch_after({"self": graph}, engine.runner.device, reps=30)[0]["launch_us"]})
+                             "launch_us": launch_after({"self": graph}, engine.runner.device, reps=30)[0]["launch_us"],
+                             # under the profiler: when the GPU starts the graph, against the launch call
+                             **first_op_delay(graph)})
                 top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
                 print(f"{role} b {b} q {q}: {rows[-1]['nodes']} nodes ({top}), launch "
-                      f"{rows[-1]['launch_us']:.1f} us" + (f" [{problem}]" if problem else ""), flush=True)
+                      f"{rows[-1]['launch_us']:.1f} us, profiled: call {rows[-1].get('launch_call_us', float('nan')):.1f} "
+                      f"us, first op at {rows[-1].get('first_op_us', float('nan')):.1f} us"
+                      + (f" [{problem}]" if problem else ""), flush=True)
     write_result("launch_probe", {"benchmark": "launch_probe", "environment": environment(),
                                   "target": a.target, "draft": a.draft, "rows": rows})
     print(table([{**r, "top": ", ".join(f"{n[:28]} {c}" for n, c in sorted(r["kernels"].items(),
                                                                           key=lambda kv: -kv[1])[:4])}
                  for r in rows],
                 [("role", "role", "s"), ("batch", "b", "d"), ("query_len", "q", "d"), ("nodes", "nodes", "d"),
-                 ("launch_us", "launch us", ".1f"), ("top", "kernels (most)", "s")]))
+                 ("launch_us", "launch us", ".1f"), ("launch_call_us", "profiled call us", ".1f"),
+                 ("first_op_us", "first op at us", ".1f"), ("last_op_end_us", "last op ends us", ".1f"),
+                 ("top", "kernels (most)", "s")]))
     kernel_names = sorted({n for r in rows for n in r["kernels"]})
     print("kernels per graph:")
     print(table([{"kernel": n[:60], **{f"{r['role'][0]}{r['batch']}x{r['query_len']}": r["kernels"].get(n, 0)
