@@ -1,5 +1,5 @@
 # Session 38's device calls (one NVIDIA H200, driver 580.159.04; the same host for both calls), from the
-# repository root with .whl carried. Six starts failed before call 1 (no machine), ~600 s of the budget.
+# repository root with .whl carried. Seven tries failed before call 1 (no machine), ~690 s of the budget.
 # call 1 (428 s): the unrolled-chain tests on real CUDA graphs with the existing graph tests (7 passed,
 # tests_call1.log); then the A/B of SPECDEC_CHAIN_UNROLL=8 as side B, order abba (A B, B A), 7B + 68m
 # (e2e_ab_chain_unroll_B.*; e2e_call1_last_pass_A.json: the last pass, side A, as e2e.py wrote it)
