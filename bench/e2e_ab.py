@@ -45,7 +45,7 @@ METRICS = [("spec_tok_s", "spec tok/s", ".0f"), ("plain_tok_s", "plain tok/s", "
 RESULTS = ROOT / "bench" / "results"
 
 
-ORDERS = ("abba", "ab")
+ORDERS = ("abba", "ab")   # --order's choices, the default first
 
 
 def result_file(args: list[str], root: Path = ROOT) -> Path:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     own = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=3, help="passes per side (alternating)")
-    ap.add_argument("--order", choices=ORDERS, default="abba",
+    ap.add_argument("--order", choices=ORDERS, default=ORDERS[0],
                     help="abba (default): A B, B A, A B, ...: every other pair of passes swaps its order, so a "
                          "side that gains from running second (session 36 saw B win every pass of two A/Bs "
                          "in which nothing should have differed by that much) gains as often on both sides; "
@@ -161,7 +161,7 @@ def pass_order(i: int, order: str) -> tuple[str, str]:
     return ("B", "A") if order == "abba" and i % 2 else ("A", "B")
 
 
-def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float, order: str = "abba",
+def run_passes(sides: dict, roots: dict[str, Path], n: int, timeout: float, order: str = ORDERS[0],
                after_pass=None) -> tuple[dict, list[dict]]:
     """n pairs of passes of each side's (args, env) from its checkout, each pair in pass_order's
     order; the result files they overwrite are put back as they were. after_pass(passes, log), if

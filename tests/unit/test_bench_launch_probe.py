@@ -34,17 +34,9 @@ def test_no_launches_no_rows():
 @pytest.mark.gpu
 def test_a_profiled_graph_launch_reports_its_device_work():
     import torch
+    from specdec.cuda_graphs import GraphCaptures
     x = torch.ones(1 << 20, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            x.mul_(1.0)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        for _ in range(8):
-            x.mul_(1.0)
+    graph, _ = GraphCaptures._record(lambda: [x.mul_(1.0) for _ in range(8)], None)   # 8 kernels
     got = launch_probe.first_op_delay(graph, reps=5)
     assert set(got) == {"launch_call_us", "first_op_us", "last_op_end_us"}
     assert 0 < got["launch_call_us"] and 0 <= got["first_op_us"] < got["last_op_end_us"]
