@@ -8,7 +8,11 @@ server's handling of it by (rpc, step) and time, and the median of each part per
 Parts of one call (us):  c_send  serialise + write on the coordinator;  wire_in  from the write to
 the server's frame read (the kernel and the server's wake-up);  s_parse;  step (the server's
 step_seconds);  s_send  the server's answer serialised and written;  wire_out  to the
-coordinator's frame read;  c_parse. Between calls on the coordinator:  c_propose_to_verify
+coordinator's frame read;  c_parse. Inside the server's step (where it wrote the stamps):  s_pre  the
+request converted;  e_plan  the engine's release, admission and plans;  e_launch  the forward's host
+arrays, staging and launches (graph replays);  e_wait  from the last launch until the results are on
+the host (the device's work that the launches did not hide, and the copy);  e_post  the engine's
+acceptance and bookkeeping;  s_post  the answer built. Between calls on the coordinator:  c_propose_to_verify
 (proposal checks and the Verify built) and  c_verify_to_propose  (the answer applied, the next
 step planned and its Propose built), spec steps only. outside_step is a call's time on the
 coordinator (c_built to c_parsed) less the server's step. Writes bench/results/trace_steps.json.
@@ -28,6 +32,11 @@ from common import environment, table, write_result
 CALL_PARTS = [("c_send", "c_built", "c_write"), ("wire_in", "c_write", "s_read"), ("s_parse", "s_read", "s_parsed"),
               ("step", "s_parsed", "s_ready"), ("s_send", "s_ready", "s_write"), ("wire_out", "s_write", "c_read"),
               ("c_parse", "c_read", "c_parsed")]
+# The server's step (s_parsed .. s_ready) in parts, from the stamps inside it (specdec/trace.py);
+# a part is left out of a call whose server did not stamp both ends (a step with no forward).
+STEP_PARTS = [("s_pre", "s_parsed", "s_engine"), ("e_plan", "s_engine", "e_launch"),
+              ("e_launch", "e_launch", "e_launched"), ("e_wait", "e_launched", "e_synced"),
+              ("e_post", "e_synced", "s_engined"), ("s_post", "s_engined", "s_ready")]
 
 
 def load(folder: Path) -> tuple[list[dict], list[dict]]:
@@ -100,6 +109,9 @@ def summarize(calls: list[dict], warmup: int = 20) -> list[dict]:
         row = {"rpc": rpc, "batch": batch, "calls": len(cs)}
         for name, a, b in CALL_PARTS:
             row[f"{name}_us"] = 1e6 * statistics.median(c[b] - c[a] for c in cs)
+        for name, a, b in STEP_PARTS:
+            vals = [c[b] - c[a] for c in cs if a in c and b in c]
+            row[f"{name}_us"] = 1e6 * statistics.median(vals) if vals else None
         row["outside_step_us"] = 1e6 * statistics.median(
             (c["c_parsed"] - c["c_built"]) - (c["s_ready"] - c["s_parsed"]) for c in cs)
         for name in ("c_propose_to_verify", "c_verify_to_propose"):
@@ -126,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
              ("c_verify_to_propose_us", "coord V->P", ".0f")]
     print("medians, us per call (spec steps)")
     print(table(rows, cols))
+    if any(row[f"{name}_us"] is not None for row in rows for name, _, _ in STEP_PARTS):
+        print("\ninside the server's step (us; e_wait holds the device time the launches did not hide)")
+        print(table(rows, cols[:3] + [(f"{name}_us", name, ".0f") for name, _, _ in STEP_PARTS]))
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec import trace
 from specdec.serving import convert
 from specdec.serving.server import EngineRuntime
 from specdec.serving.servicer import ModelServicer
@@ -13,8 +14,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
 def propose(engine, request: pb.ProposeRequest) -> tuple[pb.ProposeResponse, object]:
     """One Propose step on the engine: (the response without timing, the engine's StepResult)."""
     prepared = convert.draft_seqs_from_pb(request)
+    if trace.enabled:
+        trace.mark_step("s_engine")
     step = engine.propose([p for p in prepared if not isinstance(p, convert.SeqError)],
                           list(request.release))
+    if trace.enabled:
+        trace.mark_step("s_engined")
     outputs = convert.merge(prepared, step.outputs)
     results = [convert.draft_result_to_pb(s.seq_id, o, engine.config.probs_dtype)
                for s, o in zip(request.seqs, outputs)]

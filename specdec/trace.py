@@ -10,6 +10,10 @@ Coordinator (per rpc "Propose" / "Verify" and step):  c_write  request serialise
     c_built  the request built (stamped before serialising; from c_parsed of the other rpc on).
 Server (step channel):  s_read  the request's frame read;  s_parsed  parsed (step_seconds starts);
     s_ready  the answer built (step_seconds ends);  s_write  serialised and sent.
+Inside a server's step (any transport; mark_step, to the step begin_step named):  s_engine  the
+    request converted, the engine called;  e_launch  sequences admitted and planned, the forward's
+    inputs about to be prepared;  e_launched  the step's forwards launched (graph replays return
+    before the device is done);  e_synced  the results on the host;  s_engined  the engine returned.
 
 Off (the default), a mark is one module attribute read at each call site."""
 from __future__ import annotations
@@ -25,12 +29,27 @@ MAX_EVENTS = 1_000_000  # ~10 per step and rpc: a long run keeps its first 100k 
 
 enabled = bool(os.environ.get(ENV))
 _events: list[tuple[str, str, int, int, float]] = []  # (point, rpc, step, batch, perf_counter)
+_step: tuple[str, int] | None = None  # the (rpc, step) mark_step stamps (begin_step; None: none)
 
 
 def mark(point: str, rpc: str, step: int, batch: int = 0, at: float | None = None) -> None:
     """Records `point` of step `step` of `rpc` now (or at perf_counter time `at`)."""
     if len(_events) < MAX_EVENTS:
         _events.append((point, rpc, step, batch, time.perf_counter() if at is None else at))
+
+
+def begin_step(rpc: str | None, step: int = 0) -> None:
+    """mark_step stamps go to step `step` of `rpc` from here on (rpc None: to no step). The server
+    sets it around the engine's call, which holds the engine: one step at a time."""
+    global _step
+    _step = None if rpc is None else (rpc, step)
+
+
+def mark_step(point: str) -> None:
+    """Records `point` of the step begin_step named, if any (code that does not know the step:
+    the engines)."""
+    if _step is not None:
+        mark(point, *_step)
 
 
 def start(role: str) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import trace
 from specdec.config import EngineConfig
 from specdec.models.llama import TensorParallel
 from specdec.runner import SeqInput
@@ -115,11 +116,15 @@ class DraftEngine(ModelEngine):
         outputs: list[DraftOutput | None] = [None if e is None else DraftOutput(s.seq_id, error=e)
                                              for s, e in zip(seqs, errors)]
         clock = self.clock()
+        if trace.enabled:
+            trace.mark_step("e_launch")
         try:
             drafted, probs = self._draft(plans, clock)
         except BaseException:
             self.roll_back(p.admission for p in plans)
             raise
+        if trace.enabled:
+            trace.mark_step("e_synced")
         for plan, toks, q in zip(plans, drafted, probs):
             self.states[plan.seq.seq_id] = plan.commit(toks)
             outputs[plan.index] = DraftOutput(plan.seq.seq_id, toks, q)
@@ -240,6 +245,8 @@ class DraftEngine(ModelEngine):
                 fed = tokens.index_select(0, kept)
             rows = [rows[j] for j in keep]
             items = [SeqInput(plans[active[r]].seq.seq_id, [0]) for r in rows]
+        if trace.enabled:
+            trace.mark_step("e_launched")
         return self._to_host(plans, active, steps)
 
     @staticmethod

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import trace
 from specdec.runner import SeqInput
 from specdec.sampling.graphs import GraphedVerifier
 from specdec.sampling.probs import SamplingTensors, resolve_seeds
@@ -285,6 +286,8 @@ class TargetEngine(ModelEngine):
         # drafts on the host (no sampling parameters, draft rows or layout to stage), and the
         # argmaxes come straight from a graph's output (no copy of the logits).
         greedy = all(p.seq.sampling.greedy for p in sp)
+        if trace.enabled:
+            trace.mark_step("e_launch")
         with clock.forward():
             # [sum(k+1), V] (greedy: [sum(k+1)]): the scored plans' rows in order (the others have none)
             if staged is None:
@@ -296,11 +299,16 @@ class TargetEngine(ModelEngine):
                 else:
                     staged = dataclasses.replace(staged, input_ids=as_device_tensor(ids, torch.int64, self.device))
                 flat = self.runner.forward(staged, argmax=greedy)
+        if trace.enabled:
+            trace.mark_step("e_launched")
         results = [(0, -1)] * len(plans)
         if not scored:
             return results
         if greedy:
-            for i, r in zip(scored, greedy_accept_rows(flat.tolist(), [p.seq.draft_tokens for p in sp])):
+            rows = flat.tolist()
+            if trace.enabled:
+                trace.mark_step("e_synced")
+            for i, r in zip(scored, greedy_accept_rows(rows, [p.seq.draft_tokens for p in sp])):
                 results[i] = r
             return results
         counts = [len(p.seq.draft_tokens) for p in sp]
@@ -315,6 +323,8 @@ class TargetEngine(ModelEngine):
             draft_tokens = as_device_tensor(drafts, torch.int64, self.device)
             out = rejection_sample(flat, draft_tokens, self._draft_probs(sp), counts,
                                    SamplingTensors.from_params(params, self.device, seeds), positions).to_host()
+        if trace.enabled:
+            trace.mark_step("e_synced")   # (the sampler's launches and its copy out included)
         for i, accepted, tokens in zip(scored, out.accepted, out.tokens):
             results[i] = (accepted, tokens[-1])
         return results

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from protos import specdec_pb2 as pb
+from specdec import trace
 from specdec.serving import convert
 from specdec.serving.server import EngineRuntime
 
@@ -58,7 +59,13 @@ class ModelServicer:
     def _timed_step(self, request, received: float):
         """(_step's response, seconds of the step's single-token forwards)."""
         self.runtime.decode_seconds = 0.0
-        response = self._step(request, received)
+        if trace.enabled:
+            trace.begin_step(self.rpc_name, request.step)
+        try:
+            response = self._step(request, received)
+        finally:
+            if trace.enabled:
+                trace.begin_step(None)
         return response, self.runtime.decode_seconds
 
     def _count(self, response) -> None:

@@ -79,3 +79,38 @@ def test_the_coordinator_exports_the_split_and_leaves_it_out_when_a_server_does_
     assert value(s, "specdec_server_step_seconds_count", role="target", part="host") == 1
     assert value(s, "specdec_server_step_seconds_count", role="target", part="engine_host") == 0
     assert value(s, "specdec_server_step_seconds_count", role="target", part="serving") == 0
+
+
+ENGINE_POINTS = ["s_engine", "e_launch", "e_launched", "e_synced", "s_engined"]
+
+
+def test_with_tracing_on_a_step_stamps_the_engines_parts_in_order_and_only_its_own(servicers, monkeypatch):
+    """specdec/trace.py's stamps inside a server's step (bench/trace_steps.py's s_pre .. s_post):
+    each of the engine's points once, in order, under the step's (rpc, step); none once the
+    step is over (the verify-ahead staging after an answer is no step's)."""
+    from specdec import trace
+    events: list = []
+    monkeypatch.setattr(trace, "enabled", True)
+    monkeypatch.setattr(trace, "_events", events)
+    target, draft = servicers
+    prompt = pack_ids([5, 17, 42])
+    steps = [(target, pb.VerifyRequest(step=7, seqs=[pb.VerifySeq(seq_id=3, new_tokens=prompt, first=True)])),
+             (draft, pb.ProposeRequest(step=8, seqs=[pb.DraftSeq(seq_id=3, new_tokens=prompt, num_draft=3,
+                                                                  first=True)])),
+             (target, pb.VerifyRequest(step=9, seqs=[pb.VerifySeq(seq_id=3, new_tokens=pack_ids([9]),
+                                                                  draft_tokens=pack_ids([1, 2, 3]))]))]
+    try:
+        for servicer, request in steps:
+            del events[:]
+            t0 = time.perf_counter()
+            response, _ = servicer._timed_step(request, t0)
+            assert not response.results[0].HasField("error")
+            assert [e[0] for e in events] == ENGINE_POINTS
+            assert {(e[1], e[2]) for e in events} == {(servicer.rpc_name, request.step)}
+            stamps = [e[4] for e in events]
+            assert t0 <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= time.perf_counter()
+            trace.mark_step("e_launch")   # after the step: no step to stamp
+            assert len(events) == len(ENGINE_POINTS)
+    finally:
+        target.runtime.engine.release([3])
+        draft.runtime.engine.release([3])

@@ -106,3 +106,40 @@ def test_a_process_writes_its_stamps_at_exit_only_when_asked(tmp_path):
     env_off = dict(env, SPECDEC_TRACE_DIR="")
     subprocess.run([sys.executable, "-c", code], env=env_off, check=True, timeout=60)
     assert len(list((tmp_path / "tr").glob("*.json"))) == 1
+
+
+def test_the_servers_step_in_parts_where_its_stamps_are(tmp_path):
+    """STEP_PARTS: the server's step split by the stamps inside it (s_engine .. s_engined); a
+    call whose server stamped only some of them (a step without a forward) counts in the parts
+    it has; an rpc whose server stamped none of them has none (an older server)."""
+    inner = dict(s_pre=20, e_plan=30, e_launch=100, e_wait=700, e_post=15)   # then s_post: the rest
+    step_us = 1000
+    parts = dict(c_send=10, wire_in=50, s_parse=5, step=step_us, s_send=30, wire_out=20, c_parse=3)
+    coord, draft, target = [], [], []
+    t = 100.0
+    for step in range(1, 31):
+        c, s, t_end = call_events("Propose", step, 4, t, parts)
+        coord += c
+        no_forward = step % 2 == 0   # half the steps: no e_launch .. e_synced, and a slower s_pre
+        at, stamps = s[1][4], []    # from s_parsed
+        for (name, _, end), us in zip(trace_steps.STEP_PARTS, inner.values()):
+            at += (60 if no_forward and name == "s_pre" else us) * US
+            if not (no_forward and end.startswith("e_")):
+                stamps.append((end, at))
+        draft += s[:2] + [(point, "Propose", step, 0, when) for point, when in stamps] + s[2:]
+        c, s, t = call_events("Verify", step, 4, t_end + 50 * US, parts)
+        coord += c
+        target += s
+        t += 100 * US
+    write(tmp_path, "coordinator", 1, coord)
+    write(tmp_path, "draft", 2, draft)
+    write(tmp_path, "target", 3, target)
+    rows = trace_steps.summarize(trace_steps.joined_calls(*trace_steps.load(tmp_path)), warmup=0)
+    propose, verify = rows
+    assert (propose["rpc"], propose["calls"]) == ("Propose", 30)
+    assert propose["s_pre_us"] == pytest.approx((20 + 60) / 2, abs=0.01)   # every call's
+    for name in ("e_plan", "e_launch", "e_wait", "e_post"):   # the steps with a forward
+        assert propose[f"{name}_us"] == pytest.approx(inner[name], abs=0.01), name
+    rest = step_us - sum(inner.values())   # s_post of a step with a forward; 40 us less without
+    assert propose["s_post_us"] == pytest.approx((rest + rest - 40) / 2, abs=0.01)
+    assert all(verify[f"{name}_us"] is None for name, _, _ in trace_steps.STEP_PARTS)
