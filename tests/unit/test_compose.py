@@ -178,6 +178,16 @@ def test_dockerfile_pins_base_and_dependencies():
     assert all("==" in d for d in deps), "the image installs pyproject's dependencies: pin them"
 
 
+def test_the_image_can_build_tritons_launcher():
+    # Triton compiles a C launcher at the first kernel run on the GPU (triton/runtime/build.py):
+    # a compiler, libc's headers and Python.h must be in the image (a CUDA runtime base has none).
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    installed = set()
+    for line in re.findall(r"apt-get install ([^&]*)", text.replace("\\\n", " ")):
+        installed |= {w for w in line.split() if not w.startswith("-")}
+    assert {"gcc", "libc6-dev", "python3-dev"} <= installed, installed
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_commands_are_accepted_by_the_real_command_lines(variant):
     # Each model service's command, after substitution, parses with the parser its module runs
