@@ -12,7 +12,11 @@ coordinator's frame read;  c_parse. Inside the server's step (where it wrote the
 request converted;  e_plan  the engine's release, admission and plans;  e_launch  the forward's host
 arrays, staging and launches (graph replays);  e_wait  from the last launch until the results are on
 the host (the device's work that the launches did not hide, and the copy);  e_post  the engine's
-acceptance and bookkeeping;  s_post  the answer built. Between calls on the coordinator:  c_propose_to_verify
+acceptance and bookkeeping;  s_post  the answer built. How the frames reached a reader polling
+shared slots:  turn_in / turn_out  the server's / coordinator's time between its last look at the
+empty slot and its read (its poll interval when the frame came: wire_in's floor where it polled);
+by_poll / by_socket / by_waiting  the share of frames seen by polling the slot, woken by their
+doorbell (or sent over the socket), or there before the reader asked. Between calls on the coordinator:  c_propose_to_verify
 (proposal checks and the Verify built) and  c_verify_to_propose  (the answer applied, the next
 step planned and its Propose built), spec steps only. outside_step is a call's time on the
 coordinator (c_built to c_parsed) less the server's step. Writes bench/results/trace_steps.json.
@@ -37,6 +41,7 @@ CALL_PARTS = [("c_send", "c_built", "c_write"), ("wire_in", "c_write", "s_read")
 STEP_PARTS = [("s_pre", "s_parsed", "s_engine"), ("e_plan", "s_engine", "e_launch"),
               ("e_launch", "e_launch", "e_launched"), ("e_wait", "e_launched", "e_synced"),
               ("e_post", "e_synced", "s_engined"), ("s_post", "s_engined", "s_ready")]
+ARRIVALS = ("poll", "socket", "waiting")   # protos/shared_slots.Inbox.arrival
 
 
 def load(folder: Path) -> tuple[list[dict], list[dict]]:
@@ -112,6 +117,12 @@ def summarize(calls: list[dict], warmup: int = 20) -> list[dict]:
         for name, a, b in STEP_PARTS:
             vals = [c[b] - c[a] for c in cs if a in c and b in c]
             row[f"{name}_us"] = 1e6 * statistics.median(vals) if vals else None
+        for side, way, read in (("s", "in", "s_read"), ("c", "out", "c_read")):
+            turns = [c[read] - c[f"{side}_missed"] for c in cs if f"{side}_by_poll" in c and f"{side}_missed" in c]
+            row[f"turn_{way}_us"] = 1e6 * statistics.median(turns) if turns else None
+            told = [c for c in cs if any(f"{side}_by_{a}" in c for a in ARRIVALS)]
+            for a in ARRIVALS:
+                row[f"{way}_by_{a}"] = sum(f"{side}_by_{a}" in c for c in told) / len(told) if told else None
         row["outside_step_us"] = 1e6 * statistics.median(
             (c["c_parsed"] - c["c_built"]) - (c["s_ready"] - c["s_parsed"]) for c in cs)
         for name in ("c_propose_to_verify", "c_verify_to_propose"):
@@ -141,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(row[f"{name}_us"] is not None for row in rows for name, _, _ in STEP_PARTS):
         print("\ninside the server's step (us; e_wait holds the device time the launches did not hide)")
         print(table(rows, cols[:3] + [(f"{name}_us", name, ".0f") for name, _, _ in STEP_PARTS]))
+    if any(row["turn_in_us"] is not None or row["in_by_poll"] is not None for row in rows):
+        print("\nhow the frames reached their reader (shared slots): its poll interval when one came (us), "
+              "and the share seen by polling, woken by the socket, or waiting")
+        arrival = [(f"turn_{w}_us", f"turn_{w}", ".1f") for w in ("in", "out")]
+        arrival += [(f"{w}_by_{a}", f"{w} by {a}", ".2f") for w in ("in", "out") for a in ARRIVALS]
+        print(table(rows, cols[:3] + arrival))
     return 0
 
 

@@ -192,6 +192,7 @@ class ChannelCall:
             slots.close_offer()   # opened by the server by now, or never: the mappings stay
         if kind == FRAME_OFFER and not payload:
             self._inbox = Inbox(self._reader, slots, TO_CLIENT, self.shared.spin_s)
+            self._inbox.timed = trace.enabled
             log.info("%s step channel at %s:%d: frames through shared memory", self._rpc, self.host, self.port)
             return
         slots.close()
@@ -220,6 +221,8 @@ class ChannelCall:
             kind, payload = await shared_slots.receive(self._reader, self._inbox)
             if trace.enabled:
                 trace.mark("c_read", self._rpc, self._step)
+                if self._inbox is not None:
+                    trace.mark_arrival("c", self._rpc, self._step, self._inbox)
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 raise StreamBroken(f"the step channel at {self.host}:{self.port} closed inside a frame") from None

@@ -201,7 +201,14 @@ class Inbox:
     before it waits for the reader. The reader holds at most one frame that next() has not taken
     (it reads the socket no further meanwhile, so a peer that writes without reading its answers
     meets the socket's flow control, as without slots). The reader's end (a close, a bad frame:
-    FrameError) is raised by next() once the frames before it are taken."""
+    FrameError) is raised by next() once the frames before it are taken.
+
+    With `timed` set (the processes' trace, specdec/trace.py), next() also says how its frame came
+    (`arrival`: "waiting", there when next() was called; "poll", seen in the slot while polling;
+    "socket", from the reader task: a doorbell read before the slot was seen, or a frame sent
+    over the socket) and when it last found the
+    slot empty before that (`missed_at`, perf_counter; None where it did not look): the time a
+    polling reader took between two looks at the slot when the frame came."""
 
     def __init__(self, reader: asyncio.StreamReader, slots: SharedSlots, direction: int, spin_s: float,
                  paused=lambda: False):
@@ -213,6 +220,9 @@ class Inbox:
         self._waiter: asyncio.Future | None = None
         self._room = asyncio.Event()   # set while no frame waits to be taken
         self._room.set()
+        self.timed = False
+        self.arrival: str | None = None
+        self.missed_at: float | None = None
         self._task = asyncio.get_running_loop().create_task(self._read(reader))
 
     def _take(self, seq: int) -> tuple[int, bytes]:
@@ -256,18 +266,29 @@ class Inbox:
         return item
 
     async def next(self) -> tuple[int, bytes]:
+        timed = self.timed
+        if timed:
+            self.arrival, self.missed_at = "waiting", None
         if self._frames:
             return self._next_item()
         if self.spin_s > 0:
             until = time.monotonic() + self.spin_s
             while True:
                 if self._frames:   # (first: the reader may have taken the slot's frame meanwhile)
+                    if timed:
+                        self.arrival = "socket"
                     return self._next_item()
                 if self.slots.seq(self.direction) == self._taken + 1:
+                    if timed:
+                        self.arrival = "poll"
                     return self._take(self._taken + 1)
+                if timed:
+                    self.missed_at = time.perf_counter()
                 if time.monotonic() >= until or self._paused():
                     break
                 await asyncio.sleep(0)
+        if timed:
+            self.arrival = "socket"
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter

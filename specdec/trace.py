@@ -10,6 +10,11 @@ Coordinator (per rpc "Propose" / "Verify" and step):  c_write  request serialise
     c_built  the request built (stamped before serialising; from c_parsed of the other rpc on).
 Server (step channel):  s_read  the request's frame read;  s_parsed  parsed (step_seconds starts);
     s_ready  the answer built (step_seconds ends);  s_write  serialised and sent.
+How a polled step-channel frame arrived (protos/shared_slots.Inbox, where both sides share slots;
+    after the reader's c_read / s_read):  c_missed / s_missed  the reader's last look at the empty
+    slot before the frame (its poll interval when the frame came);  c_by_poll / s_by_poll,
+    c_by_socket / s_by_socket (the doorbell woke it, or the frame came over the socket),
+    c_by_waiting / s_by_waiting (the frame was there before the reader asked for it).
 Inside a server's step (any transport; mark_step, to the step begin_step named):  s_engine  the
     request converted, the engine called;  e_launch  sequences admitted and planned, the forward's
     inputs about to be prepared;  e_launched  the step's forwards launched (graph replays return
@@ -50,6 +55,15 @@ def mark_step(point: str) -> None:
     the engines)."""
     if _step is not None:
         mark(point, *_step)
+
+
+def mark_arrival(prefix: str, rpc: str, step: int, inbox) -> None:
+    """How the frame a timed Inbox (protos/shared_slots.py) just gave arrived: {prefix}_missed at
+    its last empty look at the slot, if any, and {prefix}_by_{its arrival}."""
+    if inbox.missed_at is not None:
+        mark(f"{prefix}_missed", rpc, step, at=inbox.missed_at)
+    if inbox.arrival is not None:
+        mark(f"{prefix}_by_{inbox.arrival}", rpc, step)
 
 
 def start(role: str) -> None:

@@ -131,6 +131,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
         nonlocal inbox
         poll = servicer.runtime.busy_poll
         inbox = Inbox(reader, slots, TO_SERVER, poll.window_s, poll.is_paused)
+        inbox.timed = trace.enabled
         return b""
 
     async def requests():
@@ -168,6 +169,8 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             if trace.enabled:
                 trace.mark("s_read", rpc, request.step, len(request.seqs), at=read_at)
                 trace.mark("s_parsed", rpc, request.step)
+                if inbox is not None:
+                    trace.mark_arrival("s", rpc, request.step, inbox)
             yield request
     try:
         async for response in servicer._steps(requests()):

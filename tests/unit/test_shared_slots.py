@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -139,3 +140,48 @@ def test_an_inbox_that_does_not_poll_reads_the_slot_at_its_doorbell(pair):
             await asyncio.wait_for(inbox.next(), 5)
         return got
     assert _inbox_run(pair, 0.0, script) == [(FRAME_MESSAGE, b"one"), (FRAME_MESSAGE, b"two")]
+
+
+@pytest.mark.skipif(not shared_slots.SPIN, reason="polling a slot needs total store order (x86)")
+def test_a_timed_inbox_says_how_each_frame_came_and_when_it_last_found_the_slot_empty(pair):
+    """Inbox.timed (the trace's stamps): arrival "poll" with the last empty look (missed_at) before
+    the frame, "waiting" for a frame there before next() was called, "socket" for one its reader
+    took (a doorbell first, or a frame over the socket); untimed, nothing is recorded."""
+    async def script(server, reader, inbox):
+        seen = []
+        inbox.timed = True
+        waiting = asyncio.ensure_future(inbox.next())
+        for _ in range(5):
+            await asyncio.sleep(0)                    # a few empty looks
+        put_at = time.perf_counter()
+        server.put(TO_CLIENT, b"polled")
+        assert await asyncio.wait_for(waiting, 5) == (FRAME_MESSAGE, b"polled")
+        seen.append((inbox.arrival, inbox.missed_at is not None and inbox.missed_at < put_at))
+        reader.feed_data(frame(b"over the socket"))
+        await asyncio.sleep(0.01)                     # the reader holds it before next() is called
+        assert await asyncio.wait_for(inbox.next(), 5) == (FRAME_MESSAGE, b"over the socket")
+        seen.append((inbox.arrival, inbox.missed_at))
+        waiting = asyncio.ensure_future(inbox.next())
+        await asyncio.sleep(0)
+        reader.feed_data(frame(b"socket while polling"))
+        assert await asyncio.wait_for(waiting, 5) == (FRAME_MESSAGE, b"socket while polling")
+        seen.append((inbox.arrival, inbox.missed_at is not None))
+        inbox.timed = False
+        server.put(TO_CLIENT, b"untimed")
+        assert await asyncio.wait_for(inbox.next(), 5) == (FRAME_MESSAGE, b"untimed")
+        seen.append((inbox.arrival, inbox.missed_at is not None))   # the last timed call's
+        return seen
+    assert _inbox_run(pair, 10.0, script) == [("poll", True), ("waiting", None), ("socket", True),
+                                              ("socket", True)]
+
+
+def test_a_timed_inbox_that_does_not_poll_says_its_frames_came_by_the_socket(pair):
+    async def script(server, reader, inbox):
+        inbox.timed = True
+        seq = server.put(TO_CLIENT, b"one")
+        waiting = asyncio.ensure_future(inbox.next())
+        await asyncio.sleep(0.01)
+        reader.feed_data(_doorbell(seq))
+        assert await asyncio.wait_for(waiting, 5) == (FRAME_MESSAGE, b"one")
+        return inbox.arrival, inbox.missed_at
+    assert _inbox_run(pair, 0.0, script) == ("socket", None)

@@ -44,6 +44,14 @@ def call_events(rpc: str, step: int, batch: int, t0: float, parts: dict[str, flo
     return coord, server, t
 
 
+def summarized(folder: Path, coord: list, draft: list, target: list) -> list[dict]:
+    """summarize's rows (no warm-up) of one coordinator's stamps and its two servers'."""
+    write(folder, "coordinator", 1, coord)
+    write(folder, "draft", 2, draft)
+    write(folder, "target", 3, target)
+    return trace_steps.summarize(trace_steps.joined_calls(*trace_steps.load(folder)), warmup=0)
+
+
 def test_parts_between_calls_and_a_second_coordinator(tmp_path):
     parts = {"Propose": dict(c_send=10, wire_in=50, s_parse=5, step=1000, s_send=30, wire_out=20, c_parse=3),
              "Verify": dict(c_send=12, wire_in=40, s_parse=6, step=4000, s_send=35, wire_out=25, c_parse=4)}
@@ -131,11 +139,7 @@ def test_the_servers_step_in_parts_where_its_stamps_are(tmp_path):
         coord += c
         target += s
         t += 100 * US
-    write(tmp_path, "coordinator", 1, coord)
-    write(tmp_path, "draft", 2, draft)
-    write(tmp_path, "target", 3, target)
-    rows = trace_steps.summarize(trace_steps.joined_calls(*trace_steps.load(tmp_path)), warmup=0)
-    propose, verify = rows
+    propose, verify = summarized(tmp_path, coord, draft, target)
     assert (propose["rpc"], propose["calls"]) == ("Propose", 30)
     assert propose["s_pre_us"] == pytest.approx((20 + 60) / 2, abs=0.01)   # every call's
     for name in ("e_plan", "e_launch", "e_wait", "e_post"):   # the steps with a forward
@@ -143,3 +147,33 @@ def test_the_servers_step_in_parts_where_its_stamps_are(tmp_path):
     rest = step_us - sum(inner.values())   # s_post of a step with a forward; 40 us less without
     assert propose["s_post_us"] == pytest.approx((rest + rest - 40) / 2, abs=0.01)
     assert all(verify[f"{name}_us"] is None for name, _, _ in trace_steps.STEP_PARTS)
+
+
+def test_how_the_frames_reached_their_readers(tmp_path):
+    """turn_in / turn_out: the reader's last empty look at the slot to its read, over the frames
+    it saw by polling; by_*: the shares of how the frames came, over the calls that say."""
+    parts = dict(c_send=10, wire_in=50, s_parse=5, step=1000, s_send=30, wire_out=20, c_parse=3)
+    coord, draft, target = [], [], []
+    t = 100.0
+    for step in range(1, 21):
+        for rpc, server in (("Propose", draft), ("Verify", target)):
+            c, s, t = call_events(rpc, step, 2, t, parts)
+            s_read, c_read = s[0][4], c[2][4]
+            if rpc == "Propose":   # the draft polls 8 us apart; every other frame woke it by the socket first
+                how = "socket" if step % 2 == 0 else "poll"
+                s.insert(1, ("s_missed", rpc, step, 0, s_read - (40 if how == "socket" else 8) * US))
+                s.insert(2, (f"s_by_{how}", rpc, step, 0, s_read))
+            # the coordinator: every answer polled, 3 us apart; one in 5 there before it asked
+            how = "waiting" if step % 5 == 0 else "poll"
+            c.insert(3, ("c_missed", rpc, step, 0, c_read - 3 * US))
+            c.insert(4, (f"c_by_{how}", rpc, step, 0, c_read))
+            coord += c
+            server += s
+            t += 60 * US
+    propose, verify = summarized(tmp_path, coord, draft, target)
+    assert propose["turn_in_us"] == pytest.approx(8, abs=0.01)
+    assert (propose["in_by_poll"], propose["in_by_socket"], propose["in_by_waiting"]) == (0.5, 0.5, 0.0)
+    assert verify["turn_in_us"] is None and verify["in_by_poll"] is None   # a server that does not say
+    for row in (propose, verify):
+        assert row["turn_out_us"] == pytest.approx(3, abs=0.01)
+        assert (row["out_by_poll"], row["out_by_waiting"], row["out_by_socket"]) == (0.8, 0.2, 0.0)
