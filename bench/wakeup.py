@@ -24,7 +24,10 @@ processes) for receivers that wait in different ways, each in a fresh process:
   coordinator do.
 
 The sender waits --gap-ms between frames (a step's cadence) and for each frame's one-byte ack.
-Medians and p90 in us; writes bench/results/wakeup.json.
+Medians and p90 in us; writes bench/results/wakeup.json. Beside them, the host's clock: its clock
+source, the cost of the clock reads a polling event loop makes every turn (time.monotonic; the
+traces stamp with perf_counter) and of one idle turn of a loop (asyncio.sleep(0) with nothing
+else to run): a virtual machine whose clock reads leave the guest makes every polling turn longer.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from common import ROOT, environment, table, write_result
 
@@ -192,6 +196,30 @@ def receiver(mode: str, frames: int, gap_s: float) -> list[float]:
         srv.close()
 
 
+def host_clock(calls: int = 200_000, turns: int = 20_000) -> dict:
+    """The clock source (Linux) and medians of 5 rounds: ns per time.monotonic() and per
+    time.perf_counter() call, us per idle event-loop turn."""
+    try:
+        source = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource").read_text().strip()
+    except OSError:
+        source = None
+
+    def per_call_ns(clock) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            clock()
+        return 1e9 * (time.perf_counter() - t0) / calls
+
+    async def spin() -> float:
+        t0 = time.perf_counter()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        return 1e6 * (time.perf_counter() - t0) / turns
+    rounds = [(per_call_ns(time.monotonic), per_call_ns(time.perf_counter), asyncio.run(spin())) for _ in range(5)]
+    monotonic, perf, turn = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return {"clocksource": source, "monotonic_ns": monotonic, "perf_counter_ns": perf, "loop_turn_us": turn}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", choices=MODES)
@@ -219,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         lat = sorted(json.loads(out.stdout.strip().splitlines()[-1])[a.frames // 10:])   # warm-up left out
         rows.append({"mode": mode, "frames": len(lat), "median_us": 1e6 * statistics.median(lat),
                      "p90_us": 1e6 * lat[int(0.9 * (len(lat) - 1))], "min_us": 1e6 * lat[0]})
-    write_result("wakeup", {"benchmark": "wakeup", "environment": environment(), "gap_ms": a.gap_ms, "rows": rows})
+    clock = host_clock()
+    write_result("wakeup", {"benchmark": "wakeup", "environment": environment(), "gap_ms": a.gap_ms, "rows": rows,
+                            "clock": clock})
+    print(f"clock source {clock['clocksource']}: time.monotonic {clock['monotonic_ns']:.0f} ns, perf_counter "
+          f"{clock['perf_counter_ns']:.0f} ns a call; an idle event-loop turn {clock['loop_turn_us']:.2f} us")
     print(f"one-way write -> read_frame returned, us ({a.frames} frames, {a.gap_ms} ms apart)")
     print(table(rows, [("mode", "receiver waits by", "s"), ("median_us", "median", ".1f"), ("p90_us", "p90", ".1f"),
                        ("min_us", "min", ".1f")]))

@@ -28,7 +28,11 @@ def test_the_table_run_writes_rows_per_mode(tmp_path, monkeypatch, capsys):
     rows = written["rows"]
     assert [r["mode"] for r in rows] == ["asyncio", "poll+grpc"]
     assert all(r["frames"] == 18 and 0 < r["min_us"] <= r["median_us"] <= r["p90_us"] for r in rows)
-    assert "poll+grpc" in capsys.readouterr().out and common.ROOT.exists()
+    out = capsys.readouterr().out
+    assert "poll+grpc" in out and common.ROOT.exists()
+    clock = written["clock"]   # the host's clock beside the rows: plausible costs, and printed
+    assert 0 < clock["monotonic_ns"] < 1e5 and 0 < clock["perf_counter_ns"] < 1e5 and 0 < clock["loop_turn_us"] < 1e4
+    assert f"{clock['loop_turn_us']:.2f} us" in out
     json.dumps(written)   # what write_result gets is JSON
 
 
