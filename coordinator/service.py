@@ -26,6 +26,31 @@ log = logging.getLogger("specdec.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+class _Ended(Exception):
+    """The call ended on the client's side (its deadline passed, or it went away) before a refusal
+    could go out: gRPC refuses the abort, and there is nobody to tell."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str) -> None:
+    """context.abort (which raises AbortError once the status is out), or _Ended where the call
+    is over already (gRPC raises an error of its own then, which is no failure of the request's)."""
+    try:
+        await context.abort(status, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        if not context.done():
+            raise
+        raise _Ended from None
+
+
+def _client_end(context: grpc.aio.ServicerContext) -> str:
+    """How a call that the client ended ended: DEADLINE_EXCEEDED once its deadline has passed, else
+    CANCELLED (the client cancelled, or went away)."""
+    left = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
+
+
 def _usage(seq: Sequence) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(seq.params.prompt_ids), completion_tokens=len(seq.output),
                     draft_tokens=seq.drafted, accepted_tokens=seq.accepted, steps=seq.steps)
@@ -37,30 +62,31 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         # Request metrics as the client sees them: from the call's arrival to each chunk handed to
-        # gRPC, and the status the call ends with (CANCELLED: the client went away first).
+        # gRPC, and the status the call ends with (CANCELLED or DEADLINE_EXCEEDED: the client
+        # ended it first, _client_end).
         coord, metrics = self.coord, self.coord.metrics
         arrival = time.perf_counter()
-        code, ttft, seq, ended = "CANCELLED", None, None, False
+        code, ttft, seq, ended = None, None, None, False
         try:
             try:
                 params = await validate_async(request, coord.limits, coord.tokenizer)
             except InvalidRequest as e:
                 code = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if coord.failure is not None:
                 code = "UNAVAILABLE"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, coord.failure)
+                await _abort(context, grpc.StatusCode.UNAVAILABLE, coord.failure)
             seq = coord.new_sequence(params)
             try:
                 coord.scheduler.submit(seq)
             except Rejected as e:
                 code = "RESOURCE_EXHAUSTED"
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             while True:
                 item = await seq.queue.get()
                 if isinstance(item, Abort):
                     ended, code = True, status_from_code(item.code).name
-                    await context.abort(status_from_code(item.code), item.message)
+                    await _abort(context, status_from_code(item.code), item.message)
                 if ttft is None and item.token_ids:
                     ttft = time.perf_counter() - arrival
                     metrics.observe_first_token(ttft)
@@ -73,10 +99,18 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield response
                 if ended:
                     return
+        except _Ended:
+            code = None   # the refusal found the call over: the client's end is its status
+        except Exception:
+            if code is None:   # a failure of ours: the interceptor answers INTERNAL
+                code = "INTERNAL"
+            raise
         finally:
             # The client went away (cancel, deadline) before the end: free the KV on both servers.
             if seq is not None and not ended:
                 coord.scheduler.cancel(seq)
+            if code is None:
+                code = _client_end(context)
             metrics.observe_request(code, time.perf_counter() - arrival,
                                     len(seq.output) if seq is not None else 0, ttft)
 

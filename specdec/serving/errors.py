@@ -39,7 +39,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str,
         log.exception("%s failed", method)
     else:
         log.info("%s: %s %s", method, code.name, message)
-    await context.abort(code, message)
+    if not context.done():   # (over already, by its deadline or a cancel: gRPC would refuse the abort)
+        await context.abort(code, message)
 
 
 class _Undecodable:

@@ -47,3 +47,59 @@ def wait_kv_free(cluster: Cluster, timeout: float = 10.0) -> dict[str, pb.ModelI
 
 def all_free(infos: dict[str, pb.ModelInfo]) -> bool:
     return all(i.kv_blocks_free == i.kv_blocks_total and i.num_sequences == 0 for i in infos.values())
+
+
+def log_offsets(cluster: Cluster) -> dict[str, int]:
+    """Each process's log size now: logged_lines reads what comes after."""
+    return {name: proc.log_path.stat().st_size for name, proc in cluster.procs.items()}
+
+
+def logged_lines(cluster: Cluster, offsets: dict[str, int],
+                 words: Sequence[str] = ("Traceback", " ERROR ")) -> dict[str, list[str]]:
+    """Per process, the lines logged since `offsets` that hold any of `words` (processes with none
+    left out)."""
+    out = {}
+    for name, proc in cluster.procs.items():
+        with open(proc.log_path, "rb") as f:
+            f.seek(offsets[name])
+            text = f.read().decode(errors="replace")
+        bad = [line for line in text.splitlines() if any(word in line for word in words)]
+        if bad:
+            out[name] = bad
+    return out
+
+
+def side_by_side(cluster: Cluster, request: pb.GenerateRequest, n: int = 2) -> tuple[list[list], int]:
+    """n copies of `request` at once through the coordinator: their responses, and the most
+    sequences the target held at one time meanwhile (polled every 20 ms)."""
+    import asyncio
+    seen = [0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.coordinator) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+
+            async def one():
+                return [r async for r in stub.Generate(request, timeout=60)]
+
+            async def watch():
+                while True:
+                    seen.append(await asyncio.to_thread(lambda: server_info(cluster.target, "target").num_sequences))
+                    await asyncio.sleep(0.02)
+            watcher = asyncio.create_task(watch())
+            try:
+                return await asyncio.gather(*(one() for _ in range(n)))
+            finally:
+                watcher.cancel()
+    return list(asyncio.run(main())), max(seen)
+
+
+def assert_alive_and_serving(cluster: Cluster) -> None:
+    """Every process of the cluster runs and answers its health check SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    for proc in cluster.procs.values():
+        assert proc.popen.poll() is None, f"{proc.name} died:\n{proc.log_tail()}"
+    for address in (cluster.coordinator, cluster.target, cluster.draft):
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, address

@@ -39,18 +39,18 @@ import signal
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client import Chunk, Client, build_request
+from coordinator.client import Chunk, Client
 from coordinator.launch import REPO_ROOT, restart
-from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from tests.helpers.cluster import all_free, server_info, tiny_cluster, wait_kv_free
+from tests.helpers.workload import (SHORT_PROMPTS, Outcome, Planned, Recipe, Reference, collect, run_alone,
+                                    stream_problems)
+from tests.helpers.cluster import (all_free, assert_alive_and_serving, log_offsets, logged_lines, side_by_side,
+                                   tiny_cluster, wait_kv_free)
 
 SEED = int(os.environ.get("SPECDEC_CHAOS_SEED", "1729"))
 MAX_MODEL_LEN = 512           # tiny_models' max_position
@@ -75,38 +75,6 @@ def cluster(tmp_path_factory):
 
 
 # --- what is asked -----------------------------------------------------------------------------
-@dataclass(eq=False)
-class Recipe:
-    """One kind of request. greedy: checked against plain decoding (any speculation setting);
-    sampled: against the same request alone (its params fix num_draft and speculation); invalid:
-    must fail with `code` and a message containing `message`."""
-    name: str
-    prompt: object                     # text, token ids, or None (set by `mutate`)
-    params: dict = field(default_factory=dict)
-    kind: str = "greedy"
-    code: grpc.StatusCode | None = None
-    message: str = ""
-    mutate: Callable[[pb.GenerateRequest], None] | None = None
-
-    def request(self, **extra) -> pb.GenerateRequest:
-        req = build_request(self.prompt if self.prompt is not None else "x", **{**self.params, **extra})
-        if self.prompt is None:
-            req.ClearField("prompt")
-        if self.mutate is not None:
-            self.mutate(req)
-        return req
-
-
-@dataclass(frozen=True)
-class Reference:
-    tokens: tuple[int, ...]
-    text: str
-    finish: str
-    prompt_tokens: int
-
-
-SHORT_PROMPTS = ["def add(a, b):", "The quick brown fox", "class Point:", "import os\nimport sys",
-                 "for i in range(10):", "Speculative decoding is"]
 CHUNKED_PROMPT = "for i in range(10):\n    print(i * i)\n" * 8   # > 64 tokens: prefilled in chunks
 
 
@@ -189,17 +157,6 @@ def derived_recipes(refs: dict[str, Reference], recipes: dict[str, Recipe], rng:
     return out
 
 
-def collect(chunks: list[Chunk]) -> tuple[tuple[int, ...], str]:
-    return tuple(t for c in chunks for t in c.token_ids), "".join(c.text for c in chunks)
-
-
-def run_alone(client: Client, recipe: Recipe, **extra) -> Reference:
-    chunks = [Chunk.from_pb(r) for r in client.stub.Generate(recipe.request(**extra), timeout=60)]
-    tokens, text = collect(chunks)
-    assert chunks[-1].finish_reason is not None, recipe.name
-    return Reference(tokens, text, chunks[-1].finish_reason, chunks[-1].usage.prompt_tokens)
-
-
 # Two requests of prompt + max_new_tokens = 512 tokens: 32 blocks each, all 64 of a server.
 FILL_PROMPT = list(range(1, 301))
 FILL = Recipe("fill-kv", FILL_PROMPT, {"max_new_tokens": MAX_MODEL_LEN - len(FILL_PROMPT), "ignore_eos": True})
@@ -236,33 +193,6 @@ def references(cluster):
 # --- the burst ---------------------------------------------------------------------------------
 BEHAVIOURS = ("read-all", "cancel-before-first", "cancel-mid", "cancel-after-last", "deadline", "stall",
               "close-channel")  # how a client treats its stream
-
-
-@dataclass(eq=False)
-class Planned:
-    index: int
-    recipe: Recipe
-    behaviour: str
-    delay: float                       # seconds after the burst starts
-    extra: dict = field(default_factory=dict)   # speculation settings, request_id
-    timeout: float | None = None
-    cut: int = 0                       # chunks read before cancelling
-    pause: float = 0.0                 # before cancelling / while stalled
-
-    def describe(self) -> str:
-        return (f"#{self.index} {self.recipe.name} {self.behaviour} extra={self.extra} delay={self.delay:.3f} "
-                f"timeout={self.timeout} cut={self.cut} pause={self.pause:.3f}")
-
-
-@dataclass(eq=False)
-class Outcome:
-    plan: Planned
-    chunks: list = field(default_factory=list)
-    eof: bool = False
-    code: grpc.StatusCode | None = None
-    details: str = ""
-    hung: bool = False
-    seconds: float = 0.0
 
 
 def make_plan(recipes: dict[str, Recipe], rng: random.Random, invalid_times: int = 2,
@@ -382,10 +312,6 @@ async def burst(address: str, plan: list[Planned], disturb=None) -> tuple[list[O
     return list(results[:len(plan)]), list(results[len(plan):len(plan) + N_KILLED_CLIENTS])
 
 
-def log_offsets(cluster) -> dict[str, int]:
-    return {name: proc.log_path.stat().st_size for name, proc in cluster.procs.items()}
-
-
 @pytest.fixture(scope="module")
 def chaos(cluster, references):
     recipes, refs = references
@@ -426,12 +352,9 @@ ALLOWED = {"read-all": {OK}, "stall": {OK}, "cancel-before-first": {CANCELLED, O
 
 def violations_of(o: Outcome, refs: dict[str, Reference], exact_sampled: bool = True) -> list[str]:
     p, r = o.plan, o.plan.recipe
-    if o.hung:
-        return [f"stream did not end within {HANG_S:g}s"]
-    bad = []
-    finishes = [i for i, c in enumerate(o.chunks) if c.finish_reason is not None]
-    if finishes and finishes != [len(o.chunks) - 1]:
-        bad.append(f"finish_reason on chunks {finishes} of {len(o.chunks)}")
+    bad, finishes = stream_problems(o, HANG_S)
+    if finishes is None:
+        return bad
     ids = {c.request_id for c in o.chunks}
     if len(ids) > 1 or ("request_id" in p.extra and ids and ids != {p.extra["request_id"]}):
         bad.append(f"request ids {ids}")
@@ -492,12 +415,7 @@ def test_sampled_requests_are_reproducible_under_chaos(chaos):
 
 
 def test_every_process_alive_and_serving(cluster, chaos):
-    for proc in cluster.procs.values():
-        assert proc.popen.poll() is None, f"{proc.name} died:\n{proc.log_tail()}"
-    for address in (cluster.coordinator, cluster.target, cluster.draft):
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING, address
+    assert_alive_and_serving(cluster)
     with Client(cluster.coordinator) as client:
         info = client.info()
     assert info.target.vocab_size == 320 and info.draft.vocab_size == 320  # the draft is still up
@@ -533,43 +451,19 @@ def test_kv_reservations_fully_returned(cluster, chaos):
     (a block or a reservation leaked anywhere would keep the second waiting) and both speculate
     (a leaked draft reservation would make one decode plainly)."""
     refs = chaos.refs
-    seen = []
-
-    async def main():
-        async with grpc.aio.insecure_channel(cluster.coordinator) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-
-            async def one():
-                return [Chunk.from_pb(r) async for r in stub.Generate(FILL.request(num_draft=4), timeout=60)]
-
-            async def watch():
-                while True:
-                    seen.append(await asyncio.to_thread(lambda: server_info(cluster.target, "target").num_sequences))
-                    await asyncio.sleep(0.02)
-
-            watcher = asyncio.create_task(watch())
-            try:
-                return await asyncio.gather(one(), one())
-            finally:
-                watcher.cancel()
-    for chunks in asyncio.run(main()):
+    runs, most = side_by_side(cluster, FILL.request(num_draft=4))
+    for chunks in ([Chunk.from_pb(r) for r in run] for run in runs):
         assert collect(chunks)[0] == refs[FILL.name].tokens
         assert chunks[-1].usage.draft_tokens > 0
-    assert max(seen) == 2, seen
+    assert most == 2
     assert all_free(wait_kv_free(cluster))
 
 
 def test_logs_show_no_errors(cluster, chaos):
     """No step failed, no sequence was lost or resent, no draft failure, no traceback, in any
     process, during or after the chaos."""
-    offsets = chaos.log_offsets
-    for name, proc in cluster.procs.items():
-        with open(proc.log_path, "rb") as f:
-            f.seek(offsets[name])
-            text = f.read().decode(errors="replace")
-        bad = [line for line in text.splitlines()
-               if any(word in line for word in ("Traceback", " ERROR ", " WARNING ", "CRITICAL"))]
-        assert not bad, f"{name}:\n" + "\n".join(bad[:20])
+    bad = logged_lines(cluster, chaos.log_offsets, ("Traceback", " ERROR ", " WARNING ", "CRITICAL"))
+    assert not bad, bad
 
 
 # --- phase 2: pipelined speculation, and the draft server crashes mid-burst --------------------
@@ -648,12 +542,7 @@ def test_after_the_draft_crash_everything_is_free_and_exact(cluster, pipelined_c
             time.sleep(0.2)
     assert again[-1].usage.draft_tokens > 0
     assert all_free(wait_kv_free(cluster))
-    for name, proc in cluster.procs.items():  # warnings about the crash, but no error
-        with open(proc.log_path, "rb") as f:
-            f.seek(run.log_offsets[name])
-            text = f.read().decode(errors="replace")
-        bad = [line for line in text.splitlines() if "Traceback" in line or " ERROR " in line]
-        assert not bad, f"{name}:\n" + "\n".join(bad[:20])
+    assert not logged_lines(cluster, run.log_offsets)   # warnings about the crash, but no error
 
 
 # --- found by this review (fixed) ---------------------------------------------------------------
