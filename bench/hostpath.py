@@ -23,7 +23,9 @@ e2e.py reports "transport" per step: the coordinator's step time minus both serv
 - server Python: a step through the target's and the draft's servicer step functions with the model
   forward replaced by constant logits (server_python_us): conversion, validation, admission,
   batch preparation, acceptance and results, on the CPU path and on the GPU servers' graph path
-  (CPU stand-ins for the graphs over a model that costs nothing: staging, chains, head graphs).
+  (CPU stand-ins for the graphs over a model that costs nothing: staging, chains, head graphs);
+  and the graph path's steps in trace_steps.py's parts (s_pre .. s_post: the stamps specdec/trace.py
+  makes inside a server's step), to set beside the same parts of an e2e-trace on a GPU host.
 Medians over --steps steps after a warm-up. Writes bench/results/hostpath.json.
 """
 from __future__ import annotations
@@ -269,7 +271,7 @@ class _FreeModel:
 
 
 def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, seen: dict | None = None,
-                     ahead: bool = False) -> float | None:
+                     ahead: bool = False, parts: dict | None = None) -> float | None:
     """Host microseconds of one step through a servicer's step function (pb request -> engine ->
     pb response: conversion, validation, admission, batch preparation, acceptance, results) with
     the model forward replaced by constant logits: the Python a server adds to a step.
@@ -281,7 +283,9 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
     ahead (target): each step staged ahead after the one before (TargetEngine.prepare_ahead,
     --verify-ahead; untimed: the server does it once the answer is out) and the request made the
     step it expects (each sequence's last next token), so what is timed is the step that takes it;
-    None where the engine has no prepare_ahead (an older commit in loop_ab)."""
+    None where the engine has no prepare_ahead (an older commit in loop_ab).
+    parts: filled with the medians (us) of the timed steps' parts, trace_steps.STEP_PARTS (the stamps
+    specdec/trace.py makes inside a server's step, here with the step function as the server)."""
     import torch
     from draft_server.servicer import propose
     from specdec.config import EngineConfig
@@ -347,7 +351,10 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
         req = request(i, False)
         r0, e0 = engine.graph_replays, engine.eager_forwards
         t0 = time.perf_counter()
-        response, _ = step_fn(engine, req)
+        if parts is None:
+            response, _ = step_fn(engine, req)
+        else:
+            response, _ = _stamped(step_fn, engine, req, role, i)
         samples.append(time.perf_counter() - t0)
         if ahead:
             nxt = [r.next_token for r in response.results]
@@ -360,7 +367,41 @@ def server_python_us(role: str, batch: int, steps: int, graphed: bool = False, s
     if seen is not None:
         seen.update(replays=replays, eager=eager, steps=len(samples),
                     **({"ahead_taken": engine.ahead_taken} if ahead else {}))
+    if parts is not None:
+        parts.update(_stamped_parts())
     return median_us(samples)
+
+
+def _stamped(step_fn, engine, request, role: str, step: int):
+    """step_fn(engine, request) with the trace's stamps of a server's step around and inside it."""
+    from specdec import trace
+    rpc = "Propose" if role == "draft" else "Verify"
+    was, trace.enabled = trace.enabled, True
+    trace.begin_step(rpc, step)
+    trace.mark("s_parsed", rpc, step)
+    try:
+        out = step_fn(engine, request)
+        trace.mark("s_ready", rpc, step)
+        return out
+    finally:
+        trace.begin_step(None)
+        trace.enabled = was
+
+
+def _stamped_parts() -> dict:
+    """The medians (us) of trace_steps.STEP_PARTS over the stamps _stamped made (taken from the
+    trace: the next call starts afresh)."""
+    from specdec import trace
+    from trace_steps import STEP_PARTS
+    calls: dict[int, dict] = {}
+    for point, _, step, _, t in trace._events:
+        calls.setdefault(step, {})[point] = t
+    trace._events.clear()
+    out = {}
+    for name, a, b in STEP_PARTS:
+        vals = [c[b] - c[a] for c in calls.values() if a in c and b in c]
+        out[f"{name}_us"] = median_us(vals) if vals else None
+    return out
 
 
 def loop_rows(batches: list[int], steps: int) -> list[dict]:
@@ -372,6 +413,18 @@ def loop_rows(batches: list[int], steps: int) -> list[dict]:
              "target_graphed_us": server_python_us("target", b, steps, graphed=True),
              "draft_graphed_us": server_python_us("draft", b, steps, graphed=True),
              "target_ahead_us": server_python_us("target", b, steps, graphed=True, ahead=True)} for b in batches]
+
+
+def parts_rows(batches: list[int], steps: int) -> list[dict]:
+    """The graph path's server Python per step in parts (server_python_us' parts): the draft, and
+    the target's step staged ahead (what a GPU target runs), per batch size."""
+    rows = []
+    for b in batches:
+        for role, ahead, label in (("draft", False, "draft"), ("target", True, "target, staged ahead")):
+            parts: dict = {}
+            total = server_python_us(role, b, steps, graphed=True, ahead=ahead, parts=parts)
+            rows.append({"batch": b, "server": label, "total_us": total, **parts})
+    return rows
 
 
 # loop_rows' figures, as loop_ab's table names them
@@ -480,8 +533,9 @@ def main() -> int:
         stop_all([target])
         echo.terminate()
         spinning_echo.terminate()
+    parts = parts_rows(a.batches, steps)
     result = {"benchmark": "hostpath", "environment": environment(), "gamma": GAMMA, "steps": a.steps,
-              "rows": rows}
+              "rows": rows, "server_parts": parts}
     path = write_result("hostpath", result)
     print(table(rows, [("batch", "batch", "d"), ("bare_rtt_us", "bare gRPC RTT us", ".0f"),
                        ("bare_rtt_spinning_us", "spinning loops us", ".0f"),
@@ -498,6 +552,11 @@ def main() -> int:
                        ("target_graphed_us", "same, graph path", ".0f"),
                        ("draft_graphed_us", "draft, graph path", ".0f"),
                        ("target_ahead_us", "target, graph path, staged ahead", ".0f")]))
+    from trace_steps import STEP_PARTS
+    print("\nthe graph path's server Python in parts (us per step; trace_steps.py's parts; e_wait is only the "
+          "copy out here: the stand-in graphs launch nothing)")
+    print(table(parts, [("batch", "batch", "d"), ("server", "server", "s"), ("total_us", "step", ".0f")]
+                + [(f"{name}_us", name, ".0f") for name, _, _ in STEP_PARTS]))
     print(f"wrote {path}")
     return 0
 

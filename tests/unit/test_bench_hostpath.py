@@ -41,3 +41,18 @@ def test_the_servers_python_on_the_graph_path_replays_graphs_and_runs_nothing_ea
         assert 0 < hostpath.server_python_us(role, 2, steps, graphed=True, seen=seen) < 1e5
         assert seen["eager"] == 0 and seen["steps"] == steps - 1
         assert seen["replays"] == per_step * seen["steps"], (role, seen)
+
+
+def test_the_servers_graph_path_in_parts_adds_up_to_its_step_and_leaves_no_tracing_on():
+    """parts_rows: per server, the medians of trace_steps' parts of its step (each there, none
+    negative) summing to about the step (medians of parts need not add up exactly); the trace is off
+    again afterwards and keeps no stamps."""
+    from specdec import trace
+    from trace_steps import STEP_PARTS
+    rows = hostpath.parts_rows([2], 40)
+    assert [r["server"] for r in rows] == ["draft", "target, staged ahead"]
+    for r in rows:
+        values = [r[f"{name}_us"] for name, _, _ in STEP_PARTS]
+        assert all(v is not None and v >= 0 for v in values), r
+        assert 0.5 * r["total_us"] < sum(values) < 1.5 * r["total_us"], r
+    assert not trace.enabled and not trace._events
