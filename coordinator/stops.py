@@ -38,10 +38,18 @@ class StopStrings:
         return text
 
     def _partial_suffix(self, text: str) -> int:
-        best = 0
+        """The length of the longest end of `text` that begins a stop string (and is not all of it)."""
+        best, last = 0, text[-1:]
         for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
+            # Only lengths whose last character is the text's can match: found with rfind (in C)
+            # rather than a slice compared at every length.
+            n = min(len(stop) - 1, len(text))
+            while n > best:
+                n = stop.rfind(last, 0, n) + 1   # the longest candidate length <= n
+                if n <= best:
+                    break
                 if text.endswith(stop[:n]):
                     best = n
                     break
+                n -= 1
         return best

@@ -14,6 +14,11 @@ from protos.wire import GREEDY_BELOW_TEMPERATURE, outside_vocab
 
 MAX_REQUEST_ID = 256
 MAX_STOP_STRINGS = 16
+# A stop string's characters: every emitted token looks for a partial match at the text's end,
+# which costs up to a stop's length squared per token on the step loop (a 131k-character stop
+# took 3 s for one token), stalling every request.
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 # Text prompts longer than this are tokenized on a worker thread (a 1 MB prompt takes ~1 s).
 THREAD_ENCODE_CHARS = 10_000
 
@@ -92,6 +97,10 @@ def validate(req: pb.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
     for i, stop in enumerate(req.stop):
         if not stop:
             raise InvalidRequest(f"stop[{i}]: empty string")
+        if len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}]: longer than {MAX_STOP_CHARS} characters ({len(stop)})")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(req.stop_token_ids)}")
     _check_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
     if not 0 <= req.num_draft <= limits.max_num_draft:
         raise InvalidRequest(f"num_draft: must be in 0..{limits.max_num_draft} (0 = the server's "
@@ -100,6 +109,8 @@ def validate(req: pb.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
         raise InvalidRequest(f"speculation: unknown mode {req.speculation}")
     if len(req.request_id) > MAX_REQUEST_ID:
         raise InvalidRequest(f"request_id: longer than {MAX_REQUEST_ID} characters")
+    if not req.request_id.isprintable():   # (control and format characters: no forged log lines)
+        raise InvalidRequest("request_id: printable characters only")
     return GenParams(
         request_id=req.request_id or uuid.uuid4().hex, prompt_ids=tuple(ids),
         max_new_tokens=req.max_new_tokens, sampling=sampling, stop=tuple(req.stop),

@@ -203,3 +203,22 @@ def test_chunk_text_is_rendered_when_read_in_any_order(tok, seed):
     assert decodes
     assert [(texts[k], c.token_ids, c.finish) for k, c in enumerate(chunks)] == want
     assert "".join(texts[k] for k in range(len(chunks))) == tok.decode(ids[:-1])
+
+
+def _partial_suffix_reference(stops: list[str], text: str) -> int:
+    """The longest end of `text` that begins a stop string and is not all of it, by every length."""
+    return max([n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1)
+                if text.endswith(stop[:n])], default=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_held_back_end_is_the_longest_that_begins_a_stop(seed):
+    """StopStrings' partial-match scan (candidate lengths found by the text's last character)
+    agrees with trying every length, over random texts and stops of a two-letter alphabet (where
+    partial matches abound)."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 9))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        assert StopStrings(stops)._partial_suffix(text) == _partial_suffix_reference(stops, text), (stops, text)
+
