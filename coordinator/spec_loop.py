@@ -215,6 +215,10 @@ class SpecLoop:
         if self.pipeline:
             self._take_ahead(plans)
         t0 = time.perf_counter()
+        # For the statistics: whether the step was to speculate (a failed Propose leaves every
+        # num_draft 0, which is no plain step), and the most drafts its Propose asks of a sequence.
+        planned = (any(p.num_draft > 0 for p in plans),
+                   max((p.num_draft for p in plans if not p.ahead), default=0))
         # The Verify is built while the draft works (once the Propose is written), but for the
         # drafts; with no Propose to send, here.
         built: list = []  # [VerifyRequest, its seqs' messages in plan order]
@@ -234,7 +238,7 @@ class SpecLoop:
         # Pipelined: the draft drafts the next step while the target verifies this one.
         ahead = asyncio.create_task(self._extend(plans, len(seqs))) if self.pipeline and self.draft_up else None
         try:
-            await self._verify(plans, request, seqs, started, t0, t1, draft_timing, ahead)
+            await self._verify(plans, request, seqs, started, t0, t1, draft_timing, ahead, planned)
         finally:
             if ahead is not None and not ahead.done():
                 await ahead  # one request at a time on the draft stream: the next step waits for it
@@ -266,7 +270,8 @@ class SpecLoop:
             built.clear()
 
     async def _verify(self, plans: list[Plan], request: pb.VerifyRequest, seqs: list[Sequence],
-                      started: float, t0: float, t1: float, draft_timing, ahead) -> None:
+                      started: float, t0: float, t1: float, draft_timing, ahead,
+                      planned: tuple[bool, int] = (False, 0)) -> None:
         sched = self.scheduler
         try:
             response = await self.target.step(request, timeout=self.config.target_timeout_s)
@@ -297,16 +302,18 @@ class SpecLoop:
         # first waits; the γ policy then reads statistics one step old. (Only the step's time is
         # taken here; what is derived from the plans and outcomes is worked out then.)
         asyncio.get_running_loop().call_soon(self._observe_step, outcomes, plans, time.perf_counter() - started,
-                                             stages, draft_timing, response.timing)
+                                             stages, draft_timing, response.timing, planned)
         self._set_running(len(sched.running))
 
     def _observe_step(self, outcomes: list[tuple[int, int, int]], plans: list[Plan], step_seconds: float,
-                      stages: dict, draft_timing, target_timing) -> None:
+                      stages: dict, draft_timing, target_timing, planned: tuple[bool, int] = (False, 0)) -> None:
         drafted, accepted, emitted = zip(*outcomes)
+        planned_spec, gamma = planned
         self.metrics.observe_step(
             drafted, accepted, emitted, step_seconds=step_seconds, stage_seconds=stages,
             has_prefill=any(p.partial or len(p.target_new) > 1 or p.draft_prefill for p in plans),
-            draft_timing=draft_timing, target_timing=target_timing)
+            draft_timing=draft_timing, target_timing=target_timing, planned_spec=planned_spec,
+            propose_gamma=gamma if draft_timing is not None else None)
 
     def _set_running(self, n: int) -> None:
         """The running-sequences gauge, set only when it changes (twice a step otherwise, ~2 us each

@@ -223,15 +223,21 @@ class SpecStats:
                       (each an EMA of its single-token forwards), so no smoothing here, prefill
                       steps included.
     and EMAs with weight ema_weight, over steps without prefill:
-      draft_tok[b]  = propose stage wall time / max γ of the step (the draft runs γ_max forwards).
-      plain[b]      = wall time of plain steps (all γ = 0) when any were seen; otherwise estimated
+      draft_tok[b]  = propose stage wall time / the most drafts its Propose asked of a sequence (the
+                      draft runs that many forwards; sequences drafted ahead by a pipelined
+                      extension are not in it).
+      plain[b]      = wall time of plain steps (no sequence planned to draft, every sequence
+                      decoded: not a step whose Propose failed, nor one of prompt chunks or failed
+                      sequences) when any were seen; otherwise estimated
                       from speculative steps as step - propose - (target forward - target decode
                       forward): the same RPC and coordinator overhead without the draft and without
                       the extra verify positions.
       c_system[b]   = draft_tok[b] / plain[b].
       verify_ratio[b] = target.forward_seconds / target.decode_forward_seconds of speculative steps.
     The window (last window_steps batched steps, prefill included for acceptance counts) gives
-    WindowStats. Measured speedup counts only speculative steps without prefill whose bucket had
+    WindowStats; its c and c_system are those of its speculative sequence-steps (each step's
+    bucket value weighted by its speculative sequences, as α and γ̄ are counted), since Ŝ(α, γ, c)
+    is the speedup of those. Measured speedup counts only speculative steps without prefill whose bucket had
     a plain time: each step's plain equivalent is (emitted / sequences) × plain[b], the time plain
     decoding needs to emit as many tokens per sequence in a batch of the same bucket.
     """
@@ -266,10 +272,15 @@ class SpecStats:
     def add_step(self, drafted: Sequence[int], accepted: Sequence[int], emitted: Sequence[int],
                  step_seconds: float, propose_seconds: float = 0.0, has_prefill: bool = False,
                  draft_timing: ServerTiming | None = None,
-                 target_timing: ServerTiming | None = None, ahead_seconds: float = 0.0) -> int:
+                 target_timing: ServerTiming | None = None, ahead_seconds: float = 0.0,
+                 planned_spec: bool = False, propose_gamma: int | None = None) -> int:
         """Records one batched step (per-sequence lists, same order); returns its bucket.
+        emitted 0: a sequence that did not decode (a prompt chunk, an error, cancelled).
         ahead_seconds: a pipelined step's wait for the draft's extension after the target answered
-        (draft time a plain step does not have either; not part of the per-drafted-token time)."""
+        (draft time a plain step does not have either; not part of the per-drafted-token time).
+        planned_spec: some sequence was to draft this step (its Propose may have failed, leaving
+        drafted all 0: not a plain step). propose_gamma: the most drafts the step's Propose asked
+        of a sequence (None: max(drafted))."""
         n = len(drafted)
         if n == 0 or len(accepted) != n or len(emitted) != n:
             raise ValueError("drafted, accepted and emitted need one entry per sequence (>= 1)")
@@ -284,10 +295,12 @@ class SpecStats:
                 self.c[tb] = draft_timing.decode_forward_seconds / tgt_dec
         if not has_prefill:
             if not any_spec:
-                self._plain_observed[b] = ema(self._plain_observed.get(b), step_seconds, w)
+                if not planned_spec and min(emitted) > 0:
+                    self._plain_observed[b] = ema(self._plain_observed.get(b), step_seconds, w)
             else:
-                if propose_seconds > 0:
-                    per_token = propose_seconds / max(drafted)
+                gamma = max(drafted) if propose_gamma is None else propose_gamma
+                if propose_seconds > 0 and gamma > 0:
+                    per_token = propose_seconds / gamma
                     self._draft_token[b] = ema(self._draft_token.get(b), per_token, w)
                 if tgt_dec > 0 and target_timing.forward_seconds > 0:
                     extra = target_timing.forward_seconds - tgt_dec
@@ -301,7 +314,8 @@ class SpecStats:
         self._push(_StepRecord(
             drafted=sum(drafted), accepted=sum(accepted),
             rejections=sum(1 for a, d in zip(accepted, drafted) if a < d),
-            spec_steps=sum(1 for d in drafted if d > 0), c=self.c.get(b), c_system=self.c_system(b),
+            spec_steps=sum(1 for d in drafted if d > 0),
+            c=self.c.get(b) if any_spec else None, c_system=self.c_system(b) if any_spec else None,
             seconds=step_seconds if timed else None,
             plain_equivalent=sum(emitted) / n * plain if timed else None))
         return b
@@ -318,11 +332,11 @@ class SpecStats:
         t = self._totals
         for name in ("drafted", "accepted", "rejections", "spec_steps"):
             t[name] += sign * getattr(r, name)
-        for name, value in (("c", r.c), ("c_system", r.c_system), ("seconds", r.seconds),
-                            ("plain_equivalent", r.plain_equivalent)):
+        for name, value, weight in (("c", r.c, r.spec_steps), ("c_system", r.c_system, r.spec_steps),
+                                    ("seconds", r.seconds, 1), ("plain_equivalent", r.plain_equivalent, 1)):
             if value is not None:
-                t[name] += sign * value
-                t[name + "_n"] += sign
+                t[name] += sign * weight * value
+                t[name + "_n"] += sign * weight
 
     def window(self) -> WindowStats:
         t = self._totals

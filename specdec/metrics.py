@@ -37,9 +37,12 @@ ROLE_RPCS = {"coordinator": ("Propose", "Verify", "Release"), "draft": ("Propose
 STATUS_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
                 "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
 
-# Seconds, log-spaced: a tiny CPU model's forward is ~100 µs, a 70B prefill chunk ~1 s.
-FORWARD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
-                   1.0, 2.5, 5.0, 10.0)
+# Seconds, log-spaced: a small draft's graphed forward on a GPU is ~50-100 µs, a 70B prefill chunk ~1 s.
+FORWARD_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0)
+# Host times of a step's parts (the coordinator's stages, transport, a server's handling): 10-50 µs
+# on a GPU host, which buckets from 100 µs up could only place below 100 µs.
+HOST_BUCKETS = (5e-6, 1e-5) + FORWARD_BUCKETS
 REQUEST_BUCKETS = (5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
 
@@ -61,6 +64,8 @@ def _g(name, help, *labels):
     return MetricSpec(name, "gauge", help, labels)
 
 
+# specdec_step_seconds' modes (observe_step)
+STEP_MODES = ("spec", "plain", "prefill")
 # specdec_server_step_seconds' parts: forward + host = the server's step; host = engine_host + serving
 SERVER_STEP_PARTS = ("forward", "host", "engine_host", "serving")
 
@@ -118,17 +123,19 @@ COORDINATOR_METRICS = PROCESS_METRICS + (
     _c("specdec_accepted_tokens_by_position_total", "Draft tokens accepted at each position (1-based)",
        "position"),
     _c("specdec_requests_total", "Finished Generate requests by gRPC status", "code"),
-    _h("specdec_stage_seconds", "Wall time of one coordinator stage per step", FORWARD_BUCKETS, "stage"),
-    _h("specdec_step_seconds", "Wall time of one batched step", FORWARD_BUCKETS, "mode"),
+    _h("specdec_stage_seconds", "Wall time of one coordinator stage per step", HOST_BUCKETS, "stage"),
+    _h("specdec_step_seconds", "Wall time of one batched step (mode spec: some sequence was to draft; "
+       "plain: none was, every sequence decoded; prefill: the step carried prompt tokens)",
+       FORWARD_BUCKETS, "mode"),
     _h("specdec_step_overhead_seconds",
        "Step wall time outside the servers' own handling of its RPCs: transport, serialisation and "
-       "the coordinator's scheduling and emit", FORWARD_BUCKETS, "mode"),
+       "the coordinator's scheduling and emit", HOST_BUCKETS, "mode"),
     _h("specdec_server_step_seconds",
        "A server's handling of one step, as it reports it: device time of its forwards (part=forward) "
        "and the rest (part=host: request conversion, scheduling, launches, sampling, response); the "
        "host part split into the engine's call outside its forwards (part=engine_host) and the "
        "server's handling around the engine (part=serving)",
-       FORWARD_BUCKETS, "role", "part"),
+       HOST_BUCKETS, "role", "part"),
     _h("specdec_request_duration_seconds", "Generate request latency, arrival to last token",
        REQUEST_BUCKETS),
     _h("specdec_time_to_first_token_seconds", "Arrival to first emitted token", REQUEST_BUCKETS),
@@ -303,7 +310,7 @@ class CoordinatorMetrics(_ProcessMetrics):
             self._position_series(p)
         for stage in STAGES:
             self._m["specdec_stage_seconds"].labels(stage=stage)
-        for mode in ("spec", "plain"):
+        for mode in STEP_MODES:
             self._m["specdec_step_seconds"].labels(mode=mode)
             self._m["specdec_step_overhead_seconds"].labels(mode=mode)
         for role in ("draft", "target"):
@@ -367,14 +374,18 @@ class CoordinatorMetrics(_ProcessMetrics):
                      emitted: Sequence[int] | None = None, *, step_seconds: float,
                      stage_seconds: Mapping[str, float] | None = None, has_prefill: bool = False,
                      draft_timing: ServerTiming | None = None,
-                     target_timing: ServerTiming | None = None) -> WindowStats:
+                     target_timing: ServerTiming | None = None, planned_spec: bool = False,
+                     propose_gamma: int | None = None) -> WindowStats:
         """One batched step: per-sequence γ (0 = plain), accepted drafts and emitted tokens.
 
         emitted defaults to accepted + 1 (the correction or bonus token); pass it when a stop
-        condition cut the output or a sequence only prefilled (0). stage_seconds holds wall times
-        of STAGES ("propose" feeds c_system). has_prefill marks steps that carried prompt tokens:
-        they count for acceptance but not for step-time EMAs. draft_timing / target_timing are the
-        servers' StepTiming messages (or ServerTiming). Returns the window after this step.
+        condition cut the output, or 0 for a sequence that did not decode (a prompt chunk, an
+        error, cancelled). stage_seconds holds wall times of STAGES ("propose" feeds c_system).
+        has_prefill marks steps that carried prompt tokens: they count for acceptance but not for
+        step-time EMAs. draft_timing / target_timing are the servers' StepTiming messages (or
+        ServerTiming). planned_spec: some sequence was to draft (a step whose Propose failed is
+        no plain step); propose_gamma: the most drafts its Propose asked of a sequence
+        (SpecStats.add_step). Returns the window after this step.
         """
         stage_seconds = dict(stage_seconds or {})
         unknown = set(stage_seconds) - set(STAGES)
@@ -382,18 +393,19 @@ class CoordinatorMetrics(_ProcessMetrics):
             raise ValueError(f"stage_seconds: unknown stages {sorted(unknown)}, expected {STAGES}")
         emitted = [a + 1 for a in accepted] if emitted is None else list(emitted)
         self.stats.add_step(drafted, accepted, emitted, step_seconds, stage_seconds.get("propose", 0.0),
-                            has_prefill, draft_timing, target_timing, stage_seconds.get("ahead", 0.0))
+                            has_prefill, draft_timing, target_timing, stage_seconds.get("ahead", 0.0),
+                            planned_spec=planned_spec, propose_gamma=propose_gamma)
         m = self._m
         m["specdec_draft_tokens_total"].inc(sum(drafted))
         m["specdec_accepted_tokens_total"].inc(sum(accepted))
         m["specdec_emitted_tokens_total"].inc(sum(emitted))
         m["specdec_spec_steps_total"].inc(sum(1 for d in drafted if d > 0))
-        m["specdec_plain_steps_total"].inc(sum(1 for d in drafted if d == 0))
+        m["specdec_plain_steps_total"].inc(sum(1 for d, e in zip(drafted, emitted) if d == 0 and e > 0))
         m["specdec_rejections_total"].inc(sum(1 for a, d in zip(accepted, drafted) if a < d))
         self._count_positions(drafted, accepted)
         for stage, seconds in stage_seconds.items():
             self._child("specdec_stage_seconds", stage=stage).observe(seconds)
-        mode = "spec" if max(drafted) > 0 else "plain"
+        mode = "prefill" if has_prefill else "spec" if planned_spec or max(drafted) > 0 else "plain"
         self._child("specdec_step_seconds", mode=mode).observe(step_seconds)
         overhead = step_overhead(step_seconds, draft_timing, target_timing)
         if overhead is not None:

@@ -218,6 +218,74 @@ def test_spec_stats_rejects_bad_input():
 
 # --- prometheus recorders ---------------------------------------------------------------------
 
+def test_spec_stats_plain_time_only_from_steps_that_decoded_plainly():
+    """A step whose Propose failed (planned to draft, drafted all 0: its time holds the draft's
+    timeout) and one whose sequences did not decode (a prompt chunk, a failed sequence: emitted 0)
+    are no plain steps: neither sets the plain time, which the next real plain step does."""
+    st = SpecStats(buckets=(1, 2))
+    st.add_step([0], [0], [1], step_seconds=0.300, planned_spec=True)    # the Propose failed
+    st.add_step([0, 0], [0, 0], [1, 0], step_seconds=0.050)              # one sequence did not decode
+    assert st.plain_step_seconds(1) is None and st.plain_step_seconds(2) is None
+    st.add_step([0], [0], [1], step_seconds=0.005)
+    assert st.plain_step_seconds(1) == pytest.approx(0.005)
+
+
+def test_spec_stats_draft_time_per_token_of_the_propose_that_ran():
+    """A pipelined step: one sequence verifies drafts from the last step's extension (γ 6, not in
+    this Propose), one was proposed 1 draft: the Propose's time is one draft forward's."""
+    st = SpecStats(buckets=(2,))
+    timing = dict(target_timing=ServerTiming(0.006, 0.005, batch_size=2))
+    st.add_step([6, 1], [6, 0], [7, 1], step_seconds=0.02, propose_seconds=0.002, propose_gamma=1, **timing)
+    assert st._draft_token[2] == pytest.approx(0.002)
+    st2 = SpecStats(buckets=(2,))
+    st2.add_step([6, 1], [6, 0], [7, 1], step_seconds=0.02, propose_seconds=0.002, **timing)
+    assert st2._draft_token[2] == pytest.approx(0.002 / 6)   # (unsaid: γ is the step's most drafts)
+
+
+def test_spec_stats_window_c_is_that_of_its_speculative_sequence_steps():
+    """Ŝ(α, γ̄, c) takes c as α and γ̄ are counted: over speculative sequence-steps, so plain steps
+    at a bucket whose c is known do not move it, and a bucket's c weighs by its drafting sequences."""
+    st = SpecStats(buckets=(1, 8))
+
+    def step(n, c, drafting):
+        st.add_step([4] * drafting + [0] * (n - drafting), [2] * drafting + [0] * (n - drafting),
+                    [3] * drafting + [1] * (n - drafting), step_seconds=0.01,
+                    draft_timing=ServerTiming(0.001, c * 0.01, batch_size=n),
+                    target_timing=ServerTiming(0.01, 0.01, batch_size=n))
+    step(8, 0.5, 8)          # 8 speculative sequence-steps at c 0.5
+    step(1, 0.1, 1)          # 1 at c 0.1
+    for _ in range(20):
+        step(8, 0.5, 0)      # plain steps at bucket 8: no sequence drafted
+    assert st.window().c == pytest.approx((8 * 0.5 + 1 * 0.1) / 9)
+
+
+def test_coordinator_metrics_step_modes_and_plain_sequence_steps():
+    """step_seconds' mode: prefill for a step with prompt tokens, spec for one that was to draft
+    (even if its Propose failed), plain otherwise; plain_steps_total counts sequences that decoded
+    without drafts, not prompt chunks or failed sequences (emitted 0)."""
+    reg = CollectorRegistry()
+    cm = CoordinatorMetrics(reg, buckets=(1, 2))
+    cm.observe_step([0, 0], [0, 0], [0, 1], step_seconds=0.02, has_prefill=True)
+    cm.observe_step([0], [0], [1], step_seconds=0.3, planned_spec=True)
+    cm.observe_step([0, 0], [0, 0], [1, 0], step_seconds=0.01)
+    s = scrape(reg)
+    assert value(s, "specdec_step_seconds_count", mode="prefill") == 1
+    assert value(s, "specdec_step_seconds_count", mode="spec") == 1
+    assert value(s, "specdec_step_seconds_count", mode="plain") == 1
+    assert value(s, "specdec_plain_steps_total") == 3
+
+
+def test_host_time_histograms_resolve_tens_of_microseconds():
+    """Stage, overhead and server-part histograms have buckets below 100 us, where a GPU host's
+    coordinator stages (~20 us) fall."""
+    reg = CollectorRegistry()
+    cm = CoordinatorMetrics(reg, buckets=(1,))
+    cm.observe_step([4], [4], step_seconds=0.005, stage_seconds={"schedule": 2e-5})
+    s = scrape(reg)
+    assert value(s, "specdec_stage_seconds_bucket", stage="schedule", le="1e-05") == 0
+    assert value(s, "specdec_stage_seconds_bucket", stage="schedule", le="2.5e-05") == 1
+
+
 def test_coordinator_metrics_gauges_and_counters():
     reg = CollectorRegistry()
     cm = CoordinatorMetrics(reg, buckets=(1, 2, 4), max_positions=3)

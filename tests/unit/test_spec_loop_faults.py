@@ -695,3 +695,49 @@ def test_a_target_back_after_a_crash_is_read_afresh(tmp_path, same_model):
             assert coord.failure and "another model" in coord.failure and "another model" in stopped[0]
         await coord.close()
     asyncio.run(main())
+
+
+class _FailsOnce(FakeDraft):
+    """Its call number `fail_at` takes `hang` seconds, then fails (a draft timing out)."""
+
+    def __init__(self, fail_at: int, hang: float):
+        super().__init__()
+        self.calls, self.fail_at, self.hang = 0, fail_at, hang
+
+    async def step(self, request, timeout=None, on_sent=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            await asyncio.sleep(self.hang)
+            raise rpc_error()
+        return await super().step(request, timeout, on_sent)
+
+
+def test_a_step_whose_propose_failed_is_no_plain_step(tmp_path):
+    """The step whose Propose failed verifies no drafts, but its time holds the draft's timeout:
+    the loop tells the statistics it was to speculate, so the plain step time (c_system's and the
+    measured speedup's denominator) comes from the steps that decoded plainly while the draft was
+    down, not from it."""
+    hang = 0.3
+    loop, sched, _ = make_loop(_FailsOnce(fail_at=3, hang=hang))
+    observed = []
+    real = loop.metrics.observe_step
+
+    def spy(drafted, accepted, emitted=None, **kw):
+        observed.append((tuple(drafted), kw.get("planned_spec"), kw["step_seconds"]))
+        return real(drafted, accepted, emitted, **kw)
+    loop.metrics.observe_step = spy
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        seq = new_seq(tokenizer(tmp_path), 1, max_new_tokens=60)
+        sched.submit(seq)
+        tokens, end = await collect(seq)
+        task.cancel()
+        return tokens, end
+    tokens, end = asyncio.run(run())
+    assert tokens == plain_greedy(PROMPT, 60) and end is not None
+    failed = [o for o in observed if o[2] >= hang]
+    assert len(failed) == 1 and failed[0][:2] == ((0,), True), observed
+    assert any(o[:2] == ((0,), False) for o in observed)      # plain steps while the draft was down
+    plain = loop.metrics.stats.plain_step_seconds(1)
+    assert plain is not None and plain < hang / 10, plain
