@@ -407,7 +407,8 @@ class CoordinatorMetrics(_ProcessMetrics):
             self._child("specdec_stage_seconds", stage=stage).observe(seconds)
         mode = "prefill" if has_prefill else "spec" if planned_spec or max(drafted) > 0 else "plain"
         self._child("specdec_step_seconds", mode=mode).observe(step_seconds)
-        overhead = step_overhead(step_seconds, draft_timing, target_timing)
+        # (less a pipelined step's wait for the draft's extension: draft time, as the Propose's is)
+        overhead = step_overhead(step_seconds - stage_seconds.get("ahead", 0.0), draft_timing, target_timing)
         if overhead is not None:
             self._child("specdec_step_overhead_seconds", mode=mode).observe(overhead)
         for role, timing in (("draft", draft_timing), ("target", target_timing)):

@@ -364,6 +364,15 @@ def test_step_overhead_is_step_time_outside_the_servers():
     assert value(s, "specdec_server_step_seconds_count", role="target", part="forward") == 2
 
 
+def test_step_overhead_leaves_out_a_pipelined_steps_wait_for_the_extension():
+    """The extension Propose is one of the step's RPCs: its wait (stage "ahead") is draft time."""
+    reg = CollectorRegistry()
+    cm = CoordinatorMetrics(reg, buckets=(1,))
+    cm.observe_step([4], [4], step_seconds=0.015, stage_seconds={"ahead": 0.006},
+                    target_timing=ServerTiming(0.006, 0.005, batch_size=1, step_seconds=0.007))
+    assert value(scrape(reg), "specdec_step_overhead_seconds_sum", mode="spec") == pytest.approx(0.002)
+
+
 def test_coordinator_request_metrics():
     reg = CollectorRegistry()
     cm = CoordinatorMetrics(reg)
