@@ -3,11 +3,49 @@ three services locally."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
 import sys
 import time
 
 DEFAULT_ADDR = "127.0.0.1:50050"
+INT32_MAX = 2 ** 31 - 1
+
+
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in low..high (the request field's range)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} outside {low}..{high}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _address(text: str) -> str:
+    """An argparse type: a gRPC target whose port, where it names one, is in 1..65535 (gRPC wraps
+    a larger one around to another port)."""
+    if text.startswith("unix:") or text.endswith("]"):
+        return text
+    _, sep, port = text.rpartition(":")
+    if sep and port and (not port.isdigit() or not 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"the port must be a number in 1..65535, got {text!r}")
+    return text
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -23,8 +61,9 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     first = None
     with Client(args.addr) as client:
+        stream = client.generate(args.prompt, timeout=args.timeout, **params)
         try:
-            for chunk in client.generate(args.prompt, timeout=args.timeout, **params):
+            for chunk in stream:
                 if first is None:
                     first = time.perf_counter()
                 sys.stdout.write(chunk.text)
@@ -37,6 +76,14 @@ def _generate(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("\nspecdec: cancelled", file=sys.stderr)
             return 130
+        except (ValueError, TypeError) as e:   # a value the request cannot hold
+            print(f"specdec: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:   # the reader went away (`| head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        finally:
+            stream.close()   # cancels the call if it has not ended
     elapsed = time.perf_counter() - t0
     sys.stdout.write("\n")
     usage = last.usage if last else None
@@ -88,18 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a completion from a running coordinator")
     g.add_argument("prompt")
-    g.add_argument("--addr", default=DEFAULT_ADDR, help=f"coordinator address (default {DEFAULT_ADDR})")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--addr", type=_address, default=DEFAULT_ADDR, help=f"coordinator address (default {DEFAULT_ADDR})")
+    g.add_argument("--max-new-tokens", type=_int_in(1, INT32_MAX), default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=0)
     g.add_argument("--top-p", type=float, default=0.0)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=_int_in(0, 2 ** 64 - 1), default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--num-draft", type=int, default=0, help="draft tokens per step (0: server's choice)")
+    g.add_argument("--num-draft", type=_int_in(0, INT32_MAX), default=0,
+                   help="draft tokens per step (0: server's choice)")
     g.add_argument("--no-spec", action="store_true", help="plain decoding (no draft)")
-    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    g.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds")
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="run target server, draft server and coordinator locally")
