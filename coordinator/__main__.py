@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if profiler is not None:
             profiler.enable()
         asyncio.run(serve(config, metrics))
-    except (IncompatibleModels, TokenizerError, ConnectionError) as e:
+    except (IncompatibleModels, TokenizerError, OSError) as e:   # (ConnectionError; a port not to be had)
         logging.getLogger("specdec.coordinator").error("%s", e)
         print(f"coordinator: {e}", file=sys.stderr)
         return 1

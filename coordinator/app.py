@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -95,7 +96,11 @@ class Coordinator:
                              target_back=self._target_back)
         self.loop.target_max_num_draft = target_info.max_num_draft
         self._apply_draft_info(draft_info)
-        self._ids = itertools.count(1)
+        # Sequence ids from a random base: the servers key their sequences by id alone, so two
+        # coordinators on the same servers (a rolling restart's old and new one) that both counted
+        # from 1 continued each other's sequences, with wrong tokens and no error. 2^62 ids a base;
+        # two bases collide within n requests with probability ~n / 2^62.
+        self._ids = itertools.count(secrets.randbits(62) + 1)
         self._task: asyncio.Task | None = None
         self._closing = False  # close() was called: the loop task's cancellation is expected
         self.failure: str | None = None  # set when the step loop died: no request can be served

@@ -134,14 +134,18 @@ async def build_server(coord: Coordinator, address: str) -> tuple[grpc.aio.Serve
     # The servers' interceptor: an exception escaping Generate, or bytes that are not a request,
     # get a status (INTERNAL / INVALID_ARGUMENT) and a log line instead of UNKNOWN and a traceback.
     server = grpc.aio.server(interceptors=[ErrorInterceptor(prefix=f"/{SERVICE_NAME}/",
-                                                            on_error=coord.metrics.count_error)])
+                                                            on_error=coord.metrics.count_error)],
+                             options=[("grpc.so_reuseport", 0)])   # (see the model servers' SERVER_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(GenerationService(coord), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:   # (in use, or not an address of this host)
+        raise OSError(f"cannot listen on {address}: {e}") from None
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     for name in ("", SERVICE_NAME):

@@ -43,7 +43,10 @@ SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                   # these the server answers its pings with GOAWAY "too_many_pings".
                   ("grpc.keepalive_permit_without_calls", 1),
                   ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-                  ("grpc.http2.max_pings_without_data", 0)]
+                  ("grpc.http2.max_pings_without_data", 0),
+                  # gRPC sets SO_REUSEPORT by default: a second server on a port in use started
+                  # beside the first and took half its connections. Off, binding it fails.
+                  ("grpc.so_reuseport", 0)]
 
 
 class EngineRuntime:
@@ -277,7 +280,10 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
          reflection.SERVICE_NAME], server)
     for name in ("", service_name):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(config.address)
+    try:
+        port = server.add_insecure_port(config.address)
+    except RuntimeError as e:   # (in use, or not an address of this host)
+        raise ConfigError(f"--port {config.port}: cannot listen on {config.address}: {e}") from None
     await server.start()
     log.info("%s server listening on %s:%d", config.role, config.host, port)
     channel = None
