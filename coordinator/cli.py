@@ -97,8 +97,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from coordinator import launch
     from coordinator.launch import LaunchError, local_cluster
 
+    launch.DIE_WITH_PARENT = True   # a SIGKILLed serve leaves no children (launch.py)
     def terminate(signum, frame):
         raise KeyboardInterrupt
 

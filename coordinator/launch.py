@@ -27,6 +27,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Processes started from here get SIGTERM when the thread that started them ends (Linux
+# PR_SET_PDEATHSIG): `specdec serve` sets it, so that a SIGKILLed serve (the OOM killer, a
+# container's stop timeout) leaves no servers holding its ports. Off for library use, where the
+# starting thread may end before the processes should.
+DIE_WITH_PARENT = False
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM once the parent's starting thread is gone."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):   # (not Linux: nothing to ask for)
+        pass
 
 
 class LaunchError(RuntimeError):
@@ -125,7 +140,8 @@ def start_process(proc: Proc) -> Proc:
     with open(proc.log_path, "ab") as log:
         proc.log_start = log.tell()
         proc.popen = subprocess.Popen(proc.argv, cwd=REPO_ROOT, env=proc.env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent if DIE_WITH_PARENT and sys.platform == "linux" else None)
     return proc
 
 
