@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                    help="how steps reach the model servers: auto (default) over a server's step "
                         "channel, a plain socket it names in Info (its --step-port), where it has one, "
                         "else its gRPC stream; grpc: always the gRPC stream")
+    p.add_argument("--seq-id-base", type=int, default=d["seq_id_base"].default,
+                   help="the first sequence id this coordinator gives the servers (tests, debugging); 0 "
+                        "(default): a random one, so that coordinators sharing servers never share ids")
     p.add_argument("--log-level", default="INFO")
     args = vars(p.parse_args(argv))
     logging.basicConfig(level=args.pop("log_level").upper(),

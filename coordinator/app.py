@@ -100,7 +100,7 @@ class Coordinator:
         # coordinators on the same servers (a rolling restart's old and new one) that both counted
         # from 1 continued each other's sequences, with wrong tokens and no error. 2^62 ids a base;
         # two bases collide within n requests with probability ~n / 2^62.
-        self._ids = itertools.count(secrets.randbits(62) + 1)
+        self._ids = itertools.count(config.seq_id_base or secrets.randbits(62) + 1)
         self._task: asyncio.Task | None = None
         self._closing = False  # close() was called: the loop task's cancellation is expected
         self.failure: str | None = None  # set when the step loop died: no request can be served

@@ -35,6 +35,7 @@ class CoordinatorConfig:
     busy_poll_ms: float = 0.0         # the loop polls instead of sleeping this long after each step
     pipeline: str = "auto"            # pipelined speculation: on, off, auto (on when the draft has its own GPU)
     step_channel: str = "auto"        # steps over a server's step channel where it has one (auto), or gRPC
+    seq_id_base: int = 0              # the first sequence id; 0: a random one (coordinator/app.py)
 
     def __post_init__(self) -> None:
         if not self.target:

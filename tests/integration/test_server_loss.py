@@ -25,7 +25,8 @@ def cluster(tmp_path_factory):
     # prefill_chunk 16: a resend of prompt + output is chunked like a long prompt.
     with tiny_cluster(tmp_path_factory.mktemp("loss"),
                       coordinator_args=["--max-batch-size", "4", "--num-draft", "4", "--prefill-chunk", "16",
-                                        "--draft-retry", "0.5", "--connect-timeout", "60"]) as c:
+                                        "--draft-retry", "0.5", "--connect-timeout", "60",
+                                        "--seq-id-base", "1"]) as c:   # (release_everything: ids 1..999)
         yield c
 
 
