@@ -13,7 +13,6 @@ Errors arrive as grpc.RpcError with the server's status code and message.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -92,11 +91,11 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int = 64, temp
 def deadline(timeout: float | None) -> float | None:
     """A call's timeout in seconds as gRPC takes it: None or inf for none; ValueError unless positive
     (gRPC turned inf, NaN and very large values into a deadline already past)."""
-    if timeout is None or timeout == math.inf:
+    if timeout is None:
         return None
-    if not timeout > 0 or math.isnan(timeout):
+    if not timeout > 0:   # (NaN too)
         raise ValueError(f"timeout: must be a positive number of seconds, got {timeout}")
-    return timeout if timeout < 1e9 else None   # ~30 years: none
+    return timeout if timeout < 1e9 else None   # ~30 years, or inf: none
 
 
 class Client:

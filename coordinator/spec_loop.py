@@ -271,7 +271,7 @@ class SpecLoop:
 
     async def _verify(self, plans: list[Plan], request: pb.VerifyRequest, seqs: list[Sequence],
                       started: float, t0: float, t1: float, draft_timing, ahead,
-                      planned: tuple[bool, int] = (False, 0)) -> None:
+                      planned: tuple[bool, int]) -> None:
         sched = self.scheduler
         try:
             response = await self.target.step(request, timeout=self.config.target_timeout_s)
@@ -306,14 +306,14 @@ class SpecLoop:
         self._set_running(len(sched.running))
 
     def _observe_step(self, outcomes: list[tuple[int, int, int]], plans: list[Plan], step_seconds: float,
-                      stages: dict, draft_timing, target_timing, planned: tuple[bool, int] = (False, 0)) -> None:
+                      stages: dict, draft_timing, target_timing, planned: tuple[bool, int]) -> None:
         drafted, accepted, emitted = zip(*outcomes)
         planned_spec, gamma = planned
         self.metrics.observe_step(
             drafted, accepted, emitted, step_seconds=step_seconds, stage_seconds=stages,
             has_prefill=any(p.partial or len(p.target_new) > 1 or p.draft_prefill for p in plans),
             draft_timing=draft_timing, target_timing=target_timing, planned_spec=planned_spec,
-            propose_gamma=gamma if draft_timing is not None else None)
+            propose_gamma=gamma)
 
     def _set_running(self, n: int) -> None:
         """The running-sequences gauge, set only when it changes (twice a step otherwise, ~2 us each

@@ -315,7 +315,7 @@ class SpecStats:
             drafted=sum(drafted), accepted=sum(accepted),
             rejections=sum(1 for a, d in zip(accepted, drafted) if a < d),
             spec_steps=sum(1 for d in drafted if d > 0),
-            c=self.c.get(b) if any_spec else None, c_system=self.c_system(b) if any_spec else None,
+            c=self.c.get(b), c_system=self.c_system(b),   # (weighted by spec_steps: 0 for plain steps)
             seconds=step_seconds if timed else None,
             plain_equivalent=sum(emitted) / n * plain if timed else None))
         return b

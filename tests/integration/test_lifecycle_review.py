@@ -82,7 +82,7 @@ class Servers:
                 return held
             time.sleep(0.1)
 
-    def release_everything(self) -> None:
+    def start_afresh_if_held(self) -> None:
         """Frees whatever a test left behind: the servers start afresh when they hold anything (a
         coordinator's sequence ids start at a random base, so they cannot be released by range)."""
         if any(n for _, n in self.held().values()):
@@ -173,9 +173,9 @@ def no_process_left_behind(request):
 @pytest.fixture
 def clean(servers):
     """The module's servers hold nothing before and after the test."""
-    servers.release_everything()
+    servers.start_afresh_if_held()
     yield servers
-    servers.release_everything()
+    servers.start_afresh_if_held()
 
 
 # --- what works ----------------------------------------------------------------------------------
