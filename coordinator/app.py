@@ -106,6 +106,7 @@ class Coordinator:
         self.failure: str | None = None  # set when the step loop died: no request can be served
         self._on_failure: Callable[[str], Awaitable[None]] | None = None
         self._failure_task: asyncio.Task | None = None
+        self._target_check: asyncio.Future | None = None  # check_target's Info in flight
 
     @classmethod
     async def connect(cls, config: CoordinatorConfig, metrics: CoordinatorMetrics) -> "Coordinator":
@@ -168,6 +169,28 @@ class Coordinator:
         self.draft_info = info
         self.scheduler.draft = _capacity("draft", info)
         self.loop.draft_max_len = info.max_model_len
+
+    async def check_target(self) -> None:
+        """Before a request's admission: a target that closed the step connection while the
+        coordinator was idle (it restarted between requests) is asked for its Info, and its limits
+        are taken, as after a failed step; a request it cannot hold is then refused at admission
+        rather than failed mid-stream. Once per closed connection, concurrent requests awaiting
+        the same Info; a target still down is left to the step's own failure path."""
+        if self._target_check is None:
+            if not self.target.ended_unseen():
+                return
+            self._target_check = asyncio.ensure_future(self._reread_target())
+        await asyncio.shield(self._target_check)
+
+    async def _reread_target(self) -> None:
+        try:
+            info = await self.target.info(timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.info("target closed its step connection and does not answer Info yet (%s)", e.code().name)
+        else:
+            self._target_back(info)
+        finally:
+            self._target_check = None
 
     def _target_back(self, info: pb.ModelInfo) -> str | None:
         """The target answers again after a failed step: a restarted server may run with another KV

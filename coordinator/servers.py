@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 import grpc
@@ -322,6 +323,11 @@ class ModelServer:
         self._stale = False  # an Info named another channel: the next step opens a new call
         self._deadlines = StepDeadlines()
         self.shared = SharedFrames(poll_s)
+        # Named in every step (its `owner`): the server frees this ModelServer's sequences once
+        # none of its connections has been open for the server's --orphan-timeout (the process
+        # died without releasing them; specdec/serving/owners.py). Nonzero: 0 names no owner.
+        self.owner = secrets.randbits(63) + 1
+        self._ended_seen = None  # the step call ended_unseen() last reported
 
     @property
     def transport(self) -> str:
@@ -341,6 +347,15 @@ class ModelServer:
             self._channel_off = False
         self._failed_since_info = False
         return info
+
+    def ended_unseen(self) -> bool:
+        """Whether the step connection ended since the last step (the server closed it: it
+        stopped or restarted) and this was not reported yet; True once per ended connection."""
+        call = self._call
+        if call is None or call is self._ended_seen or not call.done():
+            return False
+        self._ended_seen = call
+        return True
 
     async def wait_ready(self, timeout: float) -> pb.ModelInfo:
         """Info, retried until the server answers or `timeout` seconds pass."""
@@ -371,6 +386,7 @@ class ModelServer:
         on_sent() runs once the request is written, before the answer is awaited: work for the
         time the server takes (called again if the request goes again, over gRPC)."""
         t0 = time.perf_counter()
+        request.owner = self.owner
         try:
             response = await self._step(request, timeout, on_sent)
         except Exception as e:

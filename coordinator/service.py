@@ -68,6 +68,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         arrival = time.perf_counter()
         code, ttft, seq, ended = None, None, None, False
         try:
+            await coord.check_target()
             try:
                 params = await validate_async(request, coord.limits, coord.tokenizer)
             except InvalidRequest as e:

@@ -31,7 +31,7 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
     request_cls = pb.ProposeRequest
 
     async def Propose(self, request_iterator, context):
-        async for response in self._steps(request_iterator):
+        async for response in self._stream(request_iterator, context):
             yield response
 
     def _step(self, request: pb.ProposeRequest, received: float) -> pb.ProposeResponse:

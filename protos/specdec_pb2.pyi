@@ -165,14 +165,16 @@ class DraftSeq(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., keep: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., num_draft: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first: _Optional[bool] = ..., extend: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("step", "seqs", "release")
+    __slots__ = ("step", "seqs", "release", "owner")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     step: int
     seqs: _containers.RepeatedCompositeFieldContainer[DraftSeq]
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[DraftSeq, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: int
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[DraftSeq, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., owner: _Optional[int] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("seq_id", "tokens", "probs", "error")
@@ -215,14 +217,16 @@ class VerifySeq(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[bytes] = ..., draft_tokens: _Optional[bytes] = ..., draft_probs: _Optional[_Union[Probs, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partial_prefill: _Optional[bool] = ..., first: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("step", "seqs", "release")
+    __slots__ = ("step", "seqs", "release", "owner")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     step: int
     seqs: _containers.RepeatedCompositeFieldContainer[VerifySeq]
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner: int
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., owner: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("seq_id", "accepted", "next_token", "error")

@@ -311,6 +311,9 @@ class ServerConfig:
     busy_poll_ms: float | None = None
     # TCP port of the step channel (serving/step_channel.py): 0 any free port, -1 none
     step_port: int = 0
+    # A coordinator's sequences are freed once no step connection has carried its id this long
+    # (serving/owners.py: it died without releasing them)
+    orphan_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not -1 <= self.step_port < 65536:
@@ -321,6 +324,8 @@ class ServerConfig:
             raise ConfigError(f"role: expected draft or target, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not 0 <= self.orphan_timeout_s < float("inf"):
+            raise ConfigError(f"orphan_timeout_s must be a finite number >= 0, got {self.orphan_timeout_s}")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if self.torch_threads is not None and self.torch_threads < 1:

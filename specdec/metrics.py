@@ -102,6 +102,9 @@ SERVER_METRICS = PROCESS_METRICS + (
        "Model forwards by how they ran: path=graph (a CUDA-graph replay) or eager (op by op: on a GPU "
        "a step no graph bucket fits, e.g. a prompt chunk over the largest prefill length, costs "
        "milliseconds of launches)", "role", "path"),
+    _c("specdec_orphaned_sequences_total",
+       "Sequences freed because their coordinator had no step connection for --orphan-timeout "
+       "seconds (it died without releasing them; specdec/serving/owners.py)", "role"),
     _c("specdec_verify_ahead_steps_total",
        "Target steps staged ahead of their request (--verify-ahead) by what became of them: "
        "outcome=taken (the next Verify was that step) or dropped (another request came; undone)",
@@ -249,6 +252,7 @@ class ServerMetrics(_ProcessMetrics):
         self._totals_seen: dict[tuple, int] = {}   # the engine's totals already counted, per series
         for path in ("graph", "eager"):
             self._m["specdec_server_forwards_total"].labels(role=role, path=path)
+        self._m["specdec_orphaned_sequences_total"].labels(role=role)
         if role == "target":
             for outcome in AHEAD_OUTCOMES:
                 self._m["specdec_verify_ahead_steps_total"].labels(role=role, outcome=outcome)
@@ -274,6 +278,9 @@ class ServerMetrics(_ProcessMetrics):
         difference, so a total that only grows is all they need)."""
         for path, total in (("graph", graph), ("eager", eager)):
             self._advance("specdec_server_forwards_total", total, path=path)
+
+    def count_orphaned(self, n: int) -> None:
+        self._child("specdec_orphaned_sequences_total", role=self.role).inc(n)
 
     def set_ahead(self, taken: int, dropped: int) -> None:
         """The target engine's running totals of steps staged ahead and taken or dropped."""
@@ -486,8 +493,12 @@ class MetricsServer:
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serves `registry` at http://addr:port/metrics until .close(); port 0 picks a free port."""
-    return MetricsServer(port, registry, addr)
+    """Serves `registry` at http://addr:port/metrics until .close(); port 0 picks a free port.
+    OSError naming the --metrics-port flag where it cannot listen (a port in use)."""
+    try:
+        return MetricsServer(port, registry, addr)
+    except OSError as e:
+        raise OSError(f"--metrics-port {port}: cannot listen on {addr}:{port}: {e.strerror or e}") from None
 
 
 __all__ = ["ROLES", "PHASES", "STAGES", "RPCS", "STATUS_CODES", "STEP_TRANSPORTS", "MetricSpec", "SERVER_METRICS",

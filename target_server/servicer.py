@@ -46,7 +46,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     request_cls = pb.VerifyRequest
 
     async def Verify(self, request_iterator, context):
-        async for response in self._steps(request_iterator):
+        async for response in self._stream(request_iterator, context):
             yield response
 
     def _step(self, request: pb.VerifyRequest, received: float) -> pb.VerifyResponse:

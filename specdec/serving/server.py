@@ -30,7 +30,7 @@ from specdec.metrics import ServerMetrics, start_metrics_server
 from specdec.models.loader import CheckpointError
 from specdec import trace
 from specdec.profiling import profile_dir, write_profile
-from specdec.serving import step_channel, tensor_parallel
+from specdec.serving import owners, step_channel, tensor_parallel
 from specdec.serving.errors import ErrorInterceptor, NotReady
 from specdec.serving.tensor_parallel import TensorParallelEngine
 
@@ -44,6 +44,10 @@ SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.keepalive_permit_without_calls", 1),
                   ("grpc.http2.min_ping_interval_without_data_ms", 5000),
                   ("grpc.http2.max_pings_without_data", 0),
+                  # And pings its coordinators: a coordinator whose host vanished (no FIN) ends its
+                  # streams within ~15 s, so its sequences are freed (serving/owners.py).
+                  ("grpc.keepalive_time_ms", 10000),
+                  ("grpc.keepalive_timeout_ms", 5000),
                   # gRPC sets SO_REUSEPORT by default: a second server on a port in use started
                   # beside the first and took half its connections. Off, binding it fails.
                   ("grpc.so_reuseport", 0)]
@@ -52,7 +56,8 @@ SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 class EngineRuntime:
     """The engine (None while loading), the calls into it (one at a time), and the server's metrics."""
 
-    def __init__(self, metrics: ServerMetrics, profile: bool = False, busy_poll_s: float = 0.0) -> None:
+    def __init__(self, metrics: ServerMetrics, profile: bool = False, busy_poll_s: float = 0.0,
+                 orphan_timeout_s: float = owners.DEFAULT_TIMEOUT_S) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = asyncio.Lock()  # engine calls never overlap, on whichever thread they run
         self.engine: ModelEngine | None = None
@@ -65,6 +70,9 @@ class EngineRuntime:
         # The loop polls for a while after each answered step, so the next request is read
         # without a thread wake-up (paused while the engine thread works).
         self.busy_poll = BusyPoll(busy_poll_s)
+        # Which coordinator holds each sequence: those of a coordinator gone without releasing
+        # them are freed (specdec/serving/owners.py).
+        self.owners = owners.Owners(self._free_orphans, orphan_timeout_s)
 
     def attach(self, engine: ModelEngine) -> None:
         """Serves `engine` from now on; its profile becomes the exported one (warm-up included)
@@ -109,6 +117,20 @@ class EngineRuntime:
         done.add_done_callback(self._release_after)
         with self.busy_poll.paused():
             return await asyncio.shield(done)
+
+    async def release(self, seq_ids: list[int]) -> tuple[int, int]:
+        """Frees these sequences' KV (unknown ids are ignored): (how many were held, free blocks)."""
+        self.owners.released(seq_ids)
+
+        def release():
+            released = self.engine.release(seq_ids)
+            self.publish_state()
+            return released, self.engine.num_free_blocks
+        return await self.call(release)
+
+    async def _free_orphans(self, seq_ids: list[int]) -> None:
+        released, _ = await self.release(seq_ids)
+        self.metrics.count_orphaned(released)
 
     def _release_after(self, call: asyncio.Future) -> None:
         """Done callback of an executor call: the engine is free for the next call. Reading the
@@ -209,6 +231,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                    help="after each step the event loop polls instead of sleeping for this long: "
                         "the next request is read without a thread wake-up, for one busy core "
                         "while serving (default 20 on cuda, 0 = off on cpu)")
+    p.add_argument("--orphan-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="free a coordinator's sequences once none of its step connections has been "
+                        "open for this long (it died without releasing them; default 5)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight steps get at shutdown")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -247,7 +272,7 @@ def config_from_args(role: str, argv: Sequence[str] | None = None) -> tuple[Serv
             tp_all_reduce=a.tp_all_reduce)
         config = ServerConfig(role=role, engine=engine, host=a.host, port=a.port, grace_seconds=a.grace,
                               torch_threads=a.torch_threads, busy_poll_ms=a.busy_poll_ms,
-                              step_port=a.step_port)
+                              step_port=a.step_port, orphan_timeout_s=a.orphan_timeout)
     except ValueError as e:
         parser.error(str(e))
     return config, a.metrics_port, a.log_level
@@ -269,7 +294,8 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
     SIGINT/SIGTERM. add_servicer returns the servicer it added (its steps serve the channel)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    runtime = EngineRuntime(metrics, profile=profile_dir() is not None, busy_poll_s=config.busy_poll_s)
+    runtime = EngineRuntime(metrics, profile=profile_dir() is not None, busy_poll_s=config.busy_poll_s,
+                            orphan_timeout_s=config.orphan_timeout_s)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(on_error=metrics.count_error)],
                              options=SERVER_OPTIONS)
     servicer = add_servicer(server, runtime)
@@ -295,7 +321,11 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
             await server.stop(None)
             raise ConfigError(f"--step-port {config.step_port}: cannot listen on it: {e}") from None
         log.info("%s step channel on port %d", config.role, runtime.step_port)
-    metrics_server = start_metrics_server(metrics_port, metrics.registry) if metrics_port >= 0 else None
+    try:
+        metrics_server = start_metrics_server(metrics_port, metrics.registry) if metrics_port >= 0 else None
+    except OSError as e:
+        await asyncio.gather(server.stop(None), *([channel.close(0)] if channel is not None else []))
+        raise ConfigError(str(e)) from None
     if metrics_server is not None:
         log.info("%s metrics on port %d", config.role, metrics_server.port)
 
@@ -318,6 +348,7 @@ async def serve(config: ServerConfig, make_engine: Callable[[EngineConfig], Mode
         await asyncio.gather(server.stop(config.grace_seconds),
                              *([channel.close(config.grace_seconds)] if channel is not None else []))
         runtime.busy_poll.close()
+        runtime.owners.close()
         runtime.executor.shutdown(wait=True, cancel_futures=True)
         if isinstance(runtime.engine, TensorParallelEngine):
             runtime.engine.close()

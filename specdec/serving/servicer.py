@@ -11,6 +11,7 @@ import grpc
 from protos import specdec_pb2 as pb
 from specdec import trace
 from specdec.serving import convert
+from specdec.serving.owners import Connection
 from specdec.serving.server import EngineRuntime
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,16 @@ class ModelServicer:
     def __init__(self, runtime: EngineRuntime):
         self.runtime = runtime
 
-    async def _steps(self, request_iterator):
+    async def _steps(self, request_iterator, connection: Connection):
         # One step at a time per stream (the next request is read after the answer is written);
         # several streams may be open, and their steps queue for the engine. Errors and the RPC
         # time are counted before the answer goes out; the rest of the step's metrics after it,
         # while the coordinator is busy with it (and also when the stream ends right there).
+        # `connection` counts the stream for its coordinator (owners.py); the caller closes it.
         runtime = self.runtime
         async for request in request_iterator:
             received = time.perf_counter()
+            connection.step(request)
             response, decode_seconds = await runtime.call(self._timed_step, request, received,
                                                           inline=runs_inline(request))
             self._count(response)
@@ -55,6 +58,17 @@ class ModelServicer:
                     await runtime.call(self._account, request, response, decode_seconds, inline=True)
                 except Exception:  # the answer is out: a metrics failure must not end the stream
                     log.exception("recording the metrics of step %d failed", request.step)
+
+    async def _stream(self, request_iterator, context):
+        """The gRPC step stream (Propose / Verify): counted for its coordinator until the RPC
+        ends, however it ends (a coordinator killed mid-stream cancels it)."""
+        connection = Connection(self.runtime.owners)
+        context.add_done_callback(lambda _: connection.close())
+        try:
+            async for response in self._steps(request_iterator, connection):
+                yield response
+        finally:
+            connection.close()
 
     def _timed_step(self, request, received: float):
         """(_step's response, seconds of the step's single-token forwards)."""
@@ -115,11 +129,6 @@ class ModelServicer:
     async def Release(self, request, context):
         t0 = time.perf_counter()
 
-        def release():
-            engine = self.runtime.engine
-            released = engine.release(list(request.seq_ids))
-            self.runtime.publish_state()
-            return released, engine.num_free_blocks
-        released, free = await self.runtime.call(release)
+        released, free = await self.runtime.release(list(request.seq_ids))
         self.runtime.metrics.observe_rpc("Release", time.perf_counter() - t0)
         return pb.ReleaseResponse(released=released, kv_blocks_free=free)

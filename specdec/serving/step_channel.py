@@ -34,8 +34,28 @@ from protos.shared_slots import TO_SERVER, Inbox, SharedSlots, SharedSlotsError
 from protos.wire import FRAME_ERROR, FRAME_MESSAGE, FRAME_OFFER, FrameError, frame
 from specdec import trace
 from specdec.serving.errors import status_of
+from specdec.serving.owners import Connection
 
 log = logging.getLogger(__name__)
+
+
+# A connection whose peer vanished without closing it (its host lost) ends after ~10 + 3 x 5 s of
+# silence, as the gRPC stream does by its keepalive pings, so its coordinator's sequences are freed
+# (serving/owners.py).
+KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+
+
+def keep_alive(sock: socket.socket | None) -> None:
+    """TCP keepalive on an accepted connection (the options this platform has)."""
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in KEEPALIVE:
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as e:   # (not a TCP socket): the connection serves without
+        log.debug("step channel: no TCP keepalive: %s", e)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -172,8 +192,10 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
                 if inbox is not None:
                     trace.mark_arrival("s", rpc, request.step, inbox)
             yield request
+    connection = Connection(servicer.runtime.owners)
     try:
-        async for response in servicer._steps(requests()):
+        keep_alive(writer.get_extra_info("socket"))
+        async for response in servicer._steps(requests(), connection):
             if trace.enabled:
                 trace.mark("s_ready", rpc, response.step)
             shared_slots.send(writer, inbox, response.SerializeToString())
@@ -199,6 +221,7 @@ async def serve_connection(servicer, reader: asyncio.StreamReader, writer: async
             log.info("step channel: %s %s", code.name, message)
         writer.write(frame(f"{code.name}: {message}".encode(), FRAME_ERROR))
     finally:
+        connection.close()
         if inbox is not None:
             inbox.close()
         writer.close()

@@ -11,7 +11,8 @@ What works (plain tests):
 
 Bugs found (2, 3 and 5 fixed: coordinator/app.py's random sequence-id base, SO_REUSEPORT off on
 every gRPC server, and `specdec serve`'s children asking for SIGTERM when it dies (launch.py's
-DIE_WITH_PARENT); 1 and 4 strict xfails, each flipping to a failure, XPASS, once fixed):
+DIE_WITH_PARENT); 1 by specdec/serving/owners.py (the servers free the sequences of a coordinator
+gone for --orphan-timeout); 4 by Coordinator.check_target):
 1. A coordinator that dies without its shutdown (SIGKILL, OOM) leaves its sequences' KV on both
    servers for good: the servers free a sequence only on Release, never when the coordinator's
    step connection ends. A fresh coordinator then gets RESOURCE_EXHAUSTED from the target for a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,7 +52,8 @@ from tests.helpers.procs import alive, proc_children
 from tests.helpers.tiny_models import make_pair
 
 NUM_BLOCKS = 64          # per server, 16 tokens each
-SERVER_ARGS = ["--warmup-batch-sizes", "1", "--num-blocks", str(NUM_BLOCKS)]
+ORPHAN_TIMEOUT_S = 2.0
+SERVER_ARGS = ["--warmup-batch-sizes", "1", "--num-blocks", str(NUM_BLOCKS), "--orphan-timeout", str(ORPHAN_TIMEOUT_S)]
 LONG = {"max_new_tokens": 400, "ignore_eos": True}
 
 
@@ -255,9 +258,9 @@ def test_target_killed_and_not_back_ends_streams_then_is_used_again(clean, tmp_p
 
 
 # --- bugs ----------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug 1: the servers never free a dead coordinator's sequences")
 def test_a_crashed_coordinator_leaves_no_kv_behind(clean, tmp_path):
+    # Fixed (specdec/serving/owners.py): each server frees a coordinator's sequences once none of
+    # its step connections has been open for --orphan-timeout seconds (ORPHAN_TIMEOUT_S here).
     servers = clean
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1, 300) for _ in range(440)]  # 28 of 64 blocks each
@@ -268,12 +271,19 @@ def test_a_crashed_coordinator_leaves_no_kv_behind(clean, tmp_path):
                 list(client.generate("hi", max_new_tokens=2))
         streams = [Stream(a.address, prompt(), max_new_tokens=60, ignore_eos=True, timeout=60) for _ in range(2)]
         wait_started(streams)
+        assert all(n == 2 for _, n in servers.held().values())
         a.popen.kill()   # SIGKILL / OOM: no shutdown, no Release
         a.popen.wait(10)
+        killed = time.monotonic()
         for s in streams:
             s.join(10)
     finally:
         stop_all([a])
+    # Held while A might still come back, freed once it has been gone for the timeout.
+    assert all(n == 2 for _, n in servers.held().values()) or time.monotonic() - killed >= ORPHAN_TIMEOUT_S
+    held = servers.wait_free(ORPHAN_TIMEOUT_S + 10)
+    assert held == {"target": (0, 0), "draft": (0, 0)}, held
+    assert time.monotonic() - killed >= ORPHAN_TIMEOUT_S
     b = start_coordinator(tmp_path, servers.target.address, servers.draft.address, name="coordB")
     try:
         with Client(b.address) as client:   # an idle cluster, to B: the request fits
@@ -310,11 +320,23 @@ def test_two_coordinators_on_the_same_servers_stay_exact(clean, tmp_path):
     assert sa.tokens == ref_a and sb.tokens == ref_b
 
 
-@pytest.mark.parametrize("what", ["target", "coordinator"])
+@pytest.mark.parametrize("what", ["target", "coordinator", "target --metrics-port", "coordinator --metrics-port"])
 def test_a_second_process_on_a_port_in_use_exits_nonzero(servers, tmp_path, what):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     first = None
-    if what == "target":
+    held = socket.create_server(("0.0.0.0", 0))   # a metrics port in use
+    metrics_port = str(held.getsockname()[1])
+    if what == "target --metrics-port":
+        port = str(free_port())
+        argv = [sys.executable, "-m", "target_server", "--model", str(servers.target_path), "--port", port,
+                "--metrics-port", metrics_port, *SERVER_ARGS]
+        ready = "SERVING"
+    elif what == "coordinator --metrics-port":
+        port = str(free_port())
+        argv = [sys.executable, "-m", "coordinator", "--target", servers.target.address, "--host", "127.0.0.1",
+                "--port", port, "--metrics-port", metrics_port]
+        ready = "coordinator listening"
+    elif what == "target":
         port = servers.target.address.rsplit(":", 1)[1]
         argv = [sys.executable, "-m", "target_server", "--model", str(servers.target_path), "--port", port,
                 *SERVER_ARGS]
@@ -334,13 +356,16 @@ def test_a_second_process_on_a_port_in_use_exits_nonzero(servers, tmp_path, what
         log = second.log_since_start()
     finally:
         stop_all([second, *([first] if first else [])])
+        held.close()
     assert rc not in (None, 0), f"the second {what} serves on port {port} beside the first:\n{second.log_tail(3)}"
     assert "cannot listen on" in log and "Traceback" not in log, log[-2000:]   # one clear line
+    if what.endswith("--metrics-port"):
+        assert f"--metrics-port {metrics_port}: cannot listen on" in log, log[-2000:]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug 4: a target restarted between steps is not re-read (Info, limits)")
 def test_a_target_restarted_while_idle_is_read_afresh(servers, tmp_path):
+    # Fixed (Coordinator.check_target): a step connection the target closed between requests
+    # makes the next request's admission read its Info first.
     target = spawn_server("target", servers.target_path, tmp_path, args=["--warmup-batch-sizes", "1"])
     coord = None
     try:

@@ -17,6 +17,7 @@ from protos.wire import pack_ids
 from specdec.config import EngineConfig
 from specdec.engine import TargetEngine
 from specdec.metrics import ServerMetrics
+from specdec.serving.owners import Connection
 from specdec.serving.server import EngineRuntime
 from specdec.serving.servicer import runs_inline
 from target_server.servicer import TargetServicer
@@ -122,7 +123,7 @@ def test_prompt_steps_run_on_the_engine_thread_and_decode_steps_inline(tmp_path)
                                                          draft_tokens=pack_ids([9, 9]))])
 
     async def main():
-        return [r async for r in servicer._steps(requests())]
+        return [r async for r in servicer._steps(requests(), Connection(runtime.owners))]
 
     responses = asyncio.run(main())
     assert [r.step for r in responses] == [1, 2]

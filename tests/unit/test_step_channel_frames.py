@@ -4,11 +4,14 @@ takes no new step on a connection once its step in flight is answered."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from types import SimpleNamespace
 
 from protos import specdec_pb2 as pb
 from protos import wire
 from protos.wire import FRAME_ERROR, FRAME_MESSAGE, frame, read_frame
+from specdec.serving.owners import Owners
+from specdec.serving import step_channel
 from specdec.serving.step_channel import serve_connection
 
 
@@ -19,9 +22,10 @@ class Servicer:
 
     def __init__(self, results: int = 1):
         self.results, self.errors, self.seen = results, [], []
-        self.runtime = SimpleNamespace(metrics=SimpleNamespace(count_error=self.errors.append))
+        self.runtime = SimpleNamespace(metrics=SimpleNamespace(count_error=self.errors.append),
+                                       owners=Owners(free=None))
 
-    async def _steps(self, requests):
+    async def _steps(self, requests, connection):
         async for request in requests:
             self.seen.append(request.step)
             response = pb.VerifyResponse(step=request.step)
@@ -77,8 +81,8 @@ def test_a_closing_server_answers_the_step_in_flight_and_takes_no_new_one():
     flag = [False]
 
     class Closing(Servicer):
-        async def _steps(self, requests):
-            async for response in super()._steps(requests):
+        async def _steps(self, requests, connection):
+            async for response in super()._steps(requests, connection):
                 flag[0] = True
                 yield response
     servicer = Closing()
@@ -88,3 +92,17 @@ def test_a_closing_server_answers_the_step_in_flight_and_takes_no_new_one():
     servicer = Servicer()
     got = asyncio.run(exchange(servicer, [1, 2, 3]))   # not closing: every step is served
     assert servicer.seen == [1, 2, 3] and len(got) == 3
+
+
+def test_connections_get_tcp_keepalive(monkeypatch):
+    # A coordinator whose host vanished never closes its connection: keepalive ends it, so the
+    # server frees its sequences (owners.py).
+    seen, original = [], step_channel.keep_alive
+
+    def recording(sock):
+        original(sock)
+        seen.append((sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)))
+    monkeypatch.setattr(step_channel, "keep_alive", recording)
+    asyncio.run(exchange(Servicer(), [1]))
+    assert seen == [(1, dict(step_channel.KEEPALIVE)["TCP_KEEPIDLE"])]
