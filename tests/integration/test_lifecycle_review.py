@@ -258,13 +258,16 @@ def test_target_killed_and_not_back_ends_streams_then_is_used_again(clean, tmp_p
 
 
 # --- bugs ----------------------------------------------------------------------------------------
-def test_a_crashed_coordinator_leaves_no_kv_behind(clean, tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_crashed_coordinator_leaves_no_kv_behind(clean, tmp_path, transport):
     # Fixed (specdec/serving/owners.py): each server frees a coordinator's sequences once none of
-    # its step connections has been open for --orphan-timeout seconds (ORPHAN_TIMEOUT_S here).
+    # its step connections has been open for --orphan-timeout seconds (ORPHAN_TIMEOUT_S here), on
+    # the step channel (auto) and on the gRPC stream alike.
     servers = clean
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1, 300) for _ in range(440)]  # 28 of 64 blocks each
-    a = start_coordinator(tmp_path, servers.target.address, servers.draft.address, name="coordA")
+    a = start_coordinator(tmp_path, servers.target.address, servers.draft.address, name="coordA",
+                          args=["--step-channel", transport])
     try:
         with Client(a.address) as client:
             for _ in range(2):  # ids 1, 2 done: the crashed streams are 3 and 4
