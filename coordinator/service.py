@@ -57,10 +57,24 @@ def _usage(seq: Sequence) -> pb.Usage:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, coord: Coordinator):
+    def __init__(self, coord: Coordinator | None, metrics: CoordinatorMetrics | None = None, waiting: str = ""):
+        """coord None: the coordinator is still waiting for its servers (`waiting` says for which);
+        calls are refused with UNAVAILABLE until `coord` is set."""
         self.coord = coord
+        self.metrics = metrics if metrics is not None else coord.metrics
+        self.waiting = waiting
+
+    async def _refuse_waiting(self, context) -> None:
+        self.metrics.observe_request("UNAVAILABLE", 0.0, 0, None)
+        try:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, self.waiting)
+        except _Ended:
+            pass
 
     async def Generate(self, request, context):
+        if self.coord is None:
+            await self._refuse_waiting(context)
+            return
         # Request metrics as the client sees them: from the call's arrival to each chunk handed to
         # gRPC, and the status the call ends with (CANCELLED or DEADLINE_EXCEEDED: the client
         # ended it first, _client_end).
@@ -117,6 +131,9 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Info(self, request, context):
         coord = self.coord
+        if coord is None:
+            await self._refuse_waiting(context)
+            return None
         info = pb.GenerationInfo(default_num_draft=coord.config.num_draft,
                                  max_batch_size=coord.config.max_batch_size)
         try:
@@ -131,13 +148,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         return info
 
 
-async def build_server(coord: Coordinator, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+async def build_server(service: GenerationService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """The gRPC server of `service`, bound (not started); health NOT_SERVING until the caller
+    sets it."""
     # The servers' interceptor: an exception escaping Generate, or bytes that are not a request,
     # get a status (INTERNAL / INVALID_ARGUMENT) and a log line instead of UNKNOWN and a traceback.
     server = grpc.aio.server(interceptors=[ErrorInterceptor(prefix=f"/{SERVICE_NAME}/",
-                                                            on_error=coord.metrics.count_error)],
+                                                            on_error=service.metrics.count_error)],
                              options=[("grpc.so_reuseport", 0)])   # (see the model servers' SERVER_OPTIONS)
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(coord), server)
+    pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -149,9 +168,13 @@ async def build_server(coord: Coordinator, address: str) -> tuple[grpc.aio.Serve
         raise OSError(f"cannot listen on {address}: {e}") from None
     if port == 0:
         raise OSError(f"cannot listen on {address}")
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, port, health_servicer
+
+
+async def _set_health(servicer: health.aio.HealthServicer, status) -> None:
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
 
 
 async def serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
@@ -168,22 +191,37 @@ async def serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
 
 
 async def _serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None:
-    coord = await Coordinator.connect(config, metrics)
-    server, port, health_servicer = await build_server(coord, config.address)
-
-    async def not_serving(message: str) -> None:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    coord.start(on_failure=not_serving)
+    # The port first (a port in use fails at once; health answers NOT_SERVING and calls get
+    # UNAVAILABLE saying what it waits for), then the servers, then SERVING.
+    service = GenerationService(None, metrics, waiting=f"the coordinator is waiting for its servers (target "
+                                                       f"{config.target}, draft {config.draft or 'none'})")
+    server, port, health_servicer = await build_server(service, config.address)
     await server.start()
-    log.info("coordinator listening on port %d (target %s, draft %s)", port, config.target,
-             config.draft or "none")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    connecting = asyncio.ensure_future(Coordinator.connect(config, metrics))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done() or connecting.exception() is not None:   # stopped, or the servers failed
+        connecting.cancel()
+        stopping.cancel()
+        await server.stop(0)
+        if stop.is_set() and not connecting.done():
+            log.info("stopped while waiting for the servers")
+            return
+        await connecting   # (raises why it failed)
+    coord = service.coord = connecting.result()
+
+    async def not_serving(message: str) -> None:
+        await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    coord.start(on_failure=not_serving)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    log.info("coordinator listening on port %d (target %s, draft %s)", port, config.target,
+             config.draft or "none")
+    await stopping
     log.info("shutting down (grace %.0fs)", config.grace_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_s)

@@ -14,5 +14,8 @@ class QuietServer:
     def reset(self) -> None:
         pass
 
+    def ended_unseen(self) -> bool:   # its step connection never ends on its own
+        return False
+
     async def close(self) -> None:
         pass

@@ -6,7 +6,8 @@ What works (plain tests):
 - The target SIGKILLed mid-stream and not back within --connect-timeout: the streams end with
   UNAVAILABLE naming the target, the draft holds nothing; the target back on its port is used again.
 - A coordinator started before its servers waits for them (bounded: one that never comes ends
-  the coordinator with exit 1 and a message naming the server).
+  the coordinator with exit 1 and a message naming the server); it holds its port meanwhile,
+  health NOT_SERVING, and refuses calls with UNAVAILABLE saying what it waits for.
 - `specdec serve`: a child that dies stops the other two (exit 1), and nothing is left running.
 
 Bugs found (2, 3 and 5 fixed: coordinator/app.py's random sequence-id base, SO_REUSEPORT off on
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator import launch
 from coordinator.client import Client
@@ -211,6 +213,14 @@ def test_coordinator_waits_for_servers_started_after_it(servers, tmp_path):
     try:
         time.sleep(2)
         assert coord.popen.poll() is None  # still waiting, not dead
+        # Bound meanwhile: health NOT_SERVING, and a call is refused saying what it waits for.
+        with grpc.insecure_channel(coord.address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with Client(coord.address) as client, pytest.raises(grpc.RpcError) as err:
+            list(client.generate("hi", max_new_tokens=2, timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"waiting for its servers (target 127.0.0.1:{tport}" in err.value.details()
         for role, model, port in (("target", servers.target_path, tport), ("draft", servers.draft_path, dport)):
             procs.append(launch._spawn(f"{role}_server", f"{role}_server",
                                        ["--model", str(model), "--port", str(port), *SERVER_ARGS], port, tmp_path,

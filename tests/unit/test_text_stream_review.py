@@ -392,6 +392,9 @@ class _Coord:
     def new_sequence(self, params) -> Sequence:
         return Sequence(seq_id=1, params=params, max_len=self.limits.max_model_len, tokenizer=self.tokenizer)
 
+    async def check_target(self) -> None:   # (its target never restarts)
+        pass
+
 
 class _Context:
     async def abort(self, code, message):
