@@ -204,11 +204,12 @@ async def _serve(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> None
     connecting = asyncio.ensure_future(Coordinator.connect(config, metrics))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if not connecting.done() or connecting.exception() is not None:   # stopped, or the servers failed
+    stopped = not connecting.done()
+    if stopped or connecting.exception() is not None:   # stopped, or the servers failed
         connecting.cancel()
         stopping.cancel()
         await server.stop(0)
-        if stop.is_set() and not connecting.done():
+        if stopped:
             log.info("stopped while waiting for the servers")
             return
         await connecting   # (raises why it failed)

@@ -242,6 +242,28 @@ def test_coordinator_without_a_target_exits_1_naming_it(tmp_path):
     assert f"target server at 127.0.0.1:{port} did not answer Info within 1s" in coord.log_since_start()
 
 
+def test_coordinator_stopped_while_waiting_for_its_servers_exits_0(tmp_path):
+    coord = start_coordinator(tmp_path, f"127.0.0.1:{free_port()}", args=["--connect-timeout", "120"], wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while "waiting for" not in _generate_outcome(coord.address) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        coord.popen.send_signal(signal.SIGTERM)
+        rc = wait_exit(coord, 10)
+    finally:
+        stop_all([coord])
+    assert rc == 0 and "stopped while waiting for the servers" in coord.log_since_start(), coord.log_tail(5)
+
+
+def _generate_outcome(address: str) -> str:
+    try:
+        with Client(address) as client:
+            list(client.generate("hi", max_new_tokens=1, timeout=2))
+    except grpc.RpcError as e:
+        return e.details() or ""
+    return "served"
+
+
 def test_target_killed_and_not_back_ends_streams_then_is_used_again(clean, tmp_path):
     """Restarts the module's target on its port (the tests after it use the new process)."""
     servers = clean
