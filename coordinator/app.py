@@ -171,13 +171,14 @@ class Coordinator:
         self.loop.draft_max_len = info.max_model_len
 
     async def check_target(self) -> None:
-        """Before a request's admission: a target that closed the step connection while the
-        coordinator was idle (it restarted between requests) is asked for its Info, and its limits
-        are taken, as after a failed step; a request it cannot hold is then refused at admission
-        rather than failed mid-stream. Once per closed connection, concurrent requests awaiting
-        the same Info; a target still down is left to the step's own failure path."""
+        """Before a request's admission: a target that may have restarted since its last Info (it
+        closed the step connection while the coordinator was idle, or a step failed and the loop
+        gave up waiting for it) is asked for its Info, and its limits are taken, as after a failed
+        step; a request it cannot hold is then refused at admission rather than failed mid-stream.
+        Until an Info is answered, concurrent requests awaiting the same one; a target still down
+        is left to the step's own failure path (and asked again at the next request)."""
         if self._target_check is None:
-            if not self.target.ended_unseen():
+            if not self.target.needs_info():
                 return
             self._target_check = asyncio.ensure_future(self._reread_target())
         await asyncio.shield(self._target_check)
@@ -186,7 +187,7 @@ class Coordinator:
         try:
             info = await self.target.info(timeout=2.0)
         except grpc.aio.AioRpcError as e:
-            log.info("target closed its step connection and does not answer Info yet (%s)", e.code().name)
+            log.info("the target may have restarted and does not answer Info yet (%s)", e.code().name)
         else:
             self._target_back(info)
         finally:

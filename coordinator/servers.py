@@ -327,7 +327,7 @@ class ModelServer:
         # none of its connections has been open for the server's --orphan-timeout (the process
         # died without releasing them; specdec/serving/owners.py). Nonzero: 0 names no owner.
         self.owner = secrets.randbits(63) + 1
-        self._ended_seen = None  # the step call ended_unseen() last reported
+        self._ended_seen = None  # the ended step call needs_info() last took note of
 
     @property
     def transport(self) -> str:
@@ -348,14 +348,16 @@ class ModelServer:
         self._failed_since_info = False
         return info
 
-    def ended_unseen(self) -> bool:
-        """Whether the step connection ended since the last step (the server closed it: it
-        stopped or restarted) and this was not reported yet; True once per ended connection."""
+    def needs_info(self) -> bool:
+        """Whether the server may have restarted since its last answered Info: a step or Release
+        failed since (the step loop's own recovery reads it again, or gave up waiting), or the step
+        connection ended between steps (the server closed it: it stopped or restarted). True until
+        an Info is answered."""
         call = self._call
-        if call is None or call is self._ended_seen or not call.done():
-            return False
-        self._ended_seen = call
-        return True
+        if call is not None and call is not self._ended_seen and call.done():
+            self._ended_seen = call
+            self._failed_since_info = True
+        return self._failed_since_info
 
     async def wait_ready(self, timeout: float) -> pb.ModelInfo:
         """Info, retried until the server answers or `timeout` seconds pass."""

@@ -58,10 +58,9 @@ class Owners:
                 timer.cancel()
 
     def step(self, owner: int, request) -> None:
-        """A step request on a connection carrying `owner`: its new sequences become the owner's,
-        its released ones nobody's."""
-        if request.release:
-            self.released(request.release)
+        """A step request on a connection carrying `owner`: its new sequences become the owner's.
+        (Its released ones become nobody's once the engine freed them: released(), after the
+        step; a step cancelled before it ran leaves them to the owner's timeout.)"""
         if not owner:
             return
         for s in request.seqs:
@@ -78,6 +77,7 @@ class Owners:
         self._seqs.setdefault(owner, set()).add(seq_id)
 
     def released(self, seq_ids: Iterable[int]) -> None:
+        """These sequences were freed on the engine: nobody's from now on."""
         for seq_id in seq_ids:
             owner = self._owner_of.pop(seq_id, None)
             if owner is not None:

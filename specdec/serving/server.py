@@ -119,14 +119,16 @@ class EngineRuntime:
             return await asyncio.shield(done)
 
     async def release(self, seq_ids: list[int]) -> tuple[int, int]:
-        """Frees these sequences' KV (unknown ids are ignored): (how many were held, free blocks)."""
-        self.owners.released(seq_ids)
-
+        """Frees these sequences' KV (unknown ids are ignored): (how many were held, free blocks).
+        Their owner is dropped once they are freed: a call cancelled before the engine ran it
+        leaves them to the owner's orphan timeout."""
         def release():
             released = self.engine.release(seq_ids)
             self.publish_state()
             return released, self.engine.num_free_blocks
-        return await self.call(release)
+        out = await self.call(release)
+        self.owners.released(seq_ids)
+        return out
 
     async def _free_orphans(self, seq_ids: list[int]) -> None:
         released, _ = await self.release(seq_ids)

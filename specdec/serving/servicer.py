@@ -49,6 +49,8 @@ class ModelServicer:
             connection.step(request)
             response, decode_seconds = await runtime.call(self._timed_step, request, received,
                                                           inline=runs_inline(request))
+            if request.release:
+                runtime.owners.released(request.release)
             self._count(response)
             runtime.busy_poll.kick()
             try:

@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 # A connection whose peer vanished without closing it (its host lost) ends after ~10 + 3 x 5 s of
 # silence, as the gRPC stream does by its keepalive pings, so its coordinator's sequences are freed
-# (serving/owners.py).
-KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+# (serving/owners.py); or, where an answer is still unacknowledged (no keepalive probes then), 25 s
+# after it was sent (TCP_USER_TIMEOUT, ms), not after the ~15 min of retransmissions.
+KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 25000))
 
 
 def keep_alive(sock: socket.socket | None) -> None:

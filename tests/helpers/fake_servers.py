@@ -14,7 +14,7 @@ class QuietServer:
     def reset(self) -> None:
         pass
 
-    def ended_unseen(self) -> bool:   # its step connection never ends on its own
+    def needs_info(self) -> bool:   # it never restarts
         return False
 
     async def close(self) -> None:

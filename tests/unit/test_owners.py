@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from protos import specdec_pb2 as pb
@@ -83,11 +84,12 @@ def test_one_of_two_connections_closing_frees_nothing():
 def test_released_sequences_are_not_freed_again():
     async def scenario(owners):
         c = Connection(owners)
-        c.step(verify(7, first=[1, 2, 3]))
-        c.step(verify(7, later=[2], release=[1]))
+        c.step(verify(7, first=[1, 2, 3, 4]))
+        c.step(verify(7, later=[2], release=[1, 4]))
+        owners.released([1])            # the engine freed the step's releases (4: the step never ran)
         owners.released([3])            # a Release RPC
         c.close()
-    assert run(scenario) == [[2]]
+    assert run(scenario) == [[2, 4]]
 
 
 def test_only_the_dead_owners_sequences_go_and_no_owner_is_never_freed():
@@ -156,27 +158,39 @@ def test_model_servers_name_one_nonzero_owner_in_every_step():
     assert sent == [owner_a, owner_a] and owner_a and owner_b != owner_a
 
 
-def test_ended_unseen_reports_a_closed_step_connection_once():
+def test_needs_info_from_a_closed_connection_or_a_failure_until_an_info_is_answered():
     from coordinator.servers import ModelServer
 
     class Call:
-        def __init__(self):
-            self.ended = False
+        def __init__(self, ended=False):
+            self.ended = ended
 
         def done(self):
             return self.ended
 
     async def main():
         server = ModelServer("target", "127.0.0.1:1")
-        seen = [server.ended_unseen()]          # no connection yet
+        answers = []
+
+        async def info(request, timeout):
+            if not answers:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+            return answers.pop()
+        server.stub.Info = info
+        seen = [server.needs_info()]            # no connection yet
         server._call = Call()
-        seen.append(server.ended_unseen())      # open
-        server._call.ended = True
-        seen += [server.ended_unseen(), server.ended_unseen()]
-        server._call = Call()
-        server._call.ended = True
-        seen.append(server.ended_unseen())      # another one ended
+        seen.append(server.needs_info())        # open
+        server._call.ended = True               # the server closed it between steps
+        seen += [server.needs_info(), server.needs_info()]
+        with pytest.raises(grpc.aio.AioRpcError):
+            await server.info()                 # still down: still needed
+        seen.append(server.needs_info())
+        answers.append(pb.ModelInfo())
+        await server.info()                     # answered: not needed, the same ended call no more
+        seen.append(server.needs_info())
         server._call = None
+        server._failed(RuntimeError("step failed"))   # a failed step (its call reset)
+        seen.append(server.needs_info())
         await server.close()
         return seen
-    assert asyncio.run(main()) == [False, False, True, False, True]
+    assert asyncio.run(main()) == [False, False, True, True, True, False, True]
