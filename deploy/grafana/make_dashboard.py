@@ -140,6 +140,11 @@ PANELS = [
      "(the next Verify was the step it expected, and it skipped that host work) or dropped (another "
      "request came: a sequence joined, more drafts, sampling). A high dropped rate means work for "
      "nothing; the target's debug log says why each was dropped."),
+    ("Sequences freed for a lost coordinator", "ops", "timeseries", [
+        ("sum by (role) (rate(specdec_orphaned_sequences_total[$__rate_interval]))", "{{role}}")],
+     "Sequences a model server freed because their coordinator had no step connection open for the "
+     "server's --orphan-timeout (it was killed or lost its host before releasing them). Non-zero "
+     "only around a coordinator's crash; anything else means connections that keep dropping."),
 ]
 
 
