@@ -297,6 +297,9 @@ class EngineConfig:
         return int(free_device_bytes * 0.85)
 
 
+ORPHAN_TIMEOUT_S = 5.0  # ServerConfig.orphan_timeout_s's default (the servers' --orphan-timeout)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """A model server process: which engine it runs and where it listens."""
@@ -313,7 +316,7 @@ class ServerConfig:
     step_port: int = 0
     # A coordinator's sequences are freed once no step connection has carried its id this long
     # (serving/owners.py: it died without releasing them)
-    orphan_timeout_s: float = 5.0
+    orphan_timeout_s: float = ORPHAN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not -1 <= self.step_port < 65536:

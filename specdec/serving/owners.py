@@ -22,13 +22,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-log = logging.getLogger(__name__)
+from specdec.config import ORPHAN_TIMEOUT_S
 
-DEFAULT_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
 
 
 class Owners:
-    def __init__(self, free: Callable[[list[int]], Awaitable[object]], timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, free: Callable[[list[int]], Awaitable[object]], timeout_s: float = ORPHAN_TIMEOUT_S):
         """free(seq_ids): frees those sequences on the engine (an engine call; unknown ids are
         ignored)."""
         if timeout_s < 0:

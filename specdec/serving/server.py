@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from protos.wire import MAX_MESSAGE_BYTES
 from specdec.busy_poll import BusyPoll
-from specdec.config import TP_ALL_REDUCE_MODES, ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
+from specdec.config import ORPHAN_TIMEOUT_S, TP_ALL_REDUCE_MODES, ConfigError, EngineConfig, ServerConfig, parse_dtype, parse_size
 from specdec.engine.base import ModelEngine
 from specdec.kernels.blas import LIBRARIES as BLAS_LIBRARIES
 from specdec.metrics import ServerMetrics, start_metrics_server
@@ -57,7 +57,7 @@ class EngineRuntime:
     """The engine (None while loading), the calls into it (one at a time), and the server's metrics."""
 
     def __init__(self, metrics: ServerMetrics, profile: bool = False, busy_poll_s: float = 0.0,
-                 orphan_timeout_s: float = owners.DEFAULT_TIMEOUT_S) -> None:
+                 orphan_timeout_s: float = ORPHAN_TIMEOUT_S) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = asyncio.Lock()  # engine calls never overlap, on whichever thread they run
         self.engine: ModelEngine | None = None
@@ -233,7 +233,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                    help="after each step the event loop polls instead of sleeping for this long: "
                         "the next request is read without a thread wake-up, for one busy core "
                         "while serving (default 20 on cuda, 0 = off on cpu)")
-    p.add_argument("--orphan-timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--orphan-timeout", type=float, default=ORPHAN_TIMEOUT_S, metavar="SECONDS",
                    help="free a coordinator's sequences once none of its step connections has been "
                         "open for this long (it died without releasing them; default 5)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight steps get at shutdown")

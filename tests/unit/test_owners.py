@@ -194,3 +194,13 @@ def test_needs_info_from_a_closed_connection_or_a_failure_until_an_info_is_answe
         await server.close()
         return seen
     assert asyncio.run(main()) == [False, False, True, True, True, False, True]
+
+
+def test_the_servers_orphan_timeout_flag():
+    from specdec.serving.server import config_from_args
+    config, _, _ = config_from_args("target", ["--model", "m", "--orphan-timeout", "2.5"])
+    assert config.orphan_timeout_s == 2.5
+    assert config_from_args("draft", ["--model", "m"])[0].orphan_timeout_s == 5.0
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(SystemExit):
+            config_from_args("target", ["--model", "m", "--orphan-timeout", bad])
