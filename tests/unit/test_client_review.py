@@ -353,7 +353,9 @@ def test_deadline_covers_the_whole_stream(server, client):
             got += 1
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0.4 < time.monotonic() - t0 < 3 and got >= 3
-    assert 0 < server.call("deadline-sync")["time_remaining"] <= 0.5
+    # (gRPC sends the deadline as a timeout, rounded up, that the server adds to its own clock: it
+    # may read a few ms over the client's 0.5 s; the clean clone at 47e6d55 saw 0.50035)
+    assert 0 < server.call("deadline-sync")["time_remaining"] <= 0.55
     assert server.wait_for("deadline-sync", lambda r: r["ended_early"])
 
     async def run():
